@@ -1,0 +1,116 @@
+"""KV block allocation over one preallocated pool, with prefix caching by chained block hashes.
+
+A block's hash chains on its parent's, so equal hashes mean equal whole prefixes; a cache hit
+still compares the token ids to rule out a hash collision. Freed blocks keep their contents and
+hash and are reused least-recently-freed first. Each block carries an epoch that is bumped
+whenever it is handed out for new contents, so a reader holding an old (block id, epoch) pair
+can tell that the block was recycled.
+"""
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+NO_HASH = -1
+
+
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given)."""
+    full = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
+    hashes, parent = [], 0
+    for i in range(full):
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def chain_hash(parent: int, block_token_ids) -> int:
+    hasher = xxhash.xxh64(parent.to_bytes(8, "little"))
+    hasher.update(np.asarray(block_token_ids, dtype=np.int64).tobytes())
+    return hasher.intdigest() & 0x7FFF_FFFF_FFFF_FFFF  # non-negative, fits a signed 64-bit JSON integer
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block: dict[int, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.epochs = np.zeros(num_blocks, dtype=np.int64)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_block_ids if self.blocks[b].hash != NO_HASH)
+
+    def cached_prefix(self, token_ids: list[int], hashes: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` (no references taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        hit = []
+        for i, h in enumerate(hashes):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != chunk:
+                break
+            hit.append(block_id)
+        return hit
+
+    def take(self, block_id: int) -> None:
+        """Add a reference to an existing (possibly free but cached) block."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def allocate_new(self) -> int:
+        """Hand out the least recently freed block for new contents."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+        self.epochs[block_id] += 1
+        return block_id
+
+    def release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} released more often than taken"
+        if block.ref_count == 0:
+            if not self.enable_prefix_caching and block.hash != NO_HASH:
+                self.hash_to_block.pop(block.hash, None)
+                block.hash, block.token_ids = NO_HASH, ()
+            self.free_block_ids[block_id] = None
+
+    def release_all(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # the tail of a sequence is the least likely to be reused
+            self.release(block_id)
+
+    def publish(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Record that `block_id` now holds the KV of `token_ids` (a full, computed block)."""
+        block = self.blocks[block_id]
+        if block.hash == block_hash:
+            return
+        block.hash, block.token_ids = block_hash, token_ids
+        if self.enable_prefix_caching:
+            self.hash_to_block.setdefault(block_hash, block_id)

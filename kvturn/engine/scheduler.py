@@ -1,0 +1,119 @@
+"""Which sequences run this step and how many tokens each: chunked prefill under a token budget,
+admission with prefix-cache hits, reclaiming retained blocks before preempting anyone."""
+from collections import deque
+from typing import Callable
+
+from kvturn.engine.block_manager import BlockManager, block_hashes
+from kvturn.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reclaim_retained: Callable[[], bool]):
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.reclaim_retained = reclaim_retained
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    def schedule(self, admit: Callable[[Sequence, list[int]], None]) -> list[tuple[Sequence, int]]:
+        """Returns (sequence, tokens to compute) pairs. `admit` is told of each admitted sequence and
+        its reusable prompt hashes, and may move it to LOADING_KV."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._ensure_blocks(seq, seq.num_computed_tokens + num_new):
+                continue
+            batch.append((seq, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+            seq = self.waiting[0]
+            reusable_hashes = self._admit_blocks(seq)
+            if reusable_hashes is None:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            admit(seq, reusable_hashes)
+            if seq.status is Status.LOADING_KV:
+                self.loading.append(seq)
+                continue
+            self.running.append(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            batch.append((seq, num_new))
+            budget -= num_new
+        return batch
+
+    def _admit_blocks(self, seq: Sequence) -> list[int] | None:
+        """Take the cached prefix and allocate the rest of the prompt's blocks, or None if they do not fit."""
+        bm = self.block_manager
+        reusable_blocks = (len(seq) - 1) // self.block_size  # the last token is always computed, for its logits
+        hashes = block_hashes(seq.token_ids, self.block_size, reusable_blocks)
+        total_blocks = seq.blocks_needed(self.block_size)
+        while True:
+            hit = bm.cached_prefix(seq.token_ids, hashes)
+            revived = sum(1 for b in hit if bm.blocks[b].ref_count == 0)
+            if bm.num_free_blocks - revived >= total_blocks - len(hit):
+                break
+            if not self.reclaim_retained():
+                return None
+        for block_id in hit:
+            bm.take(block_id)
+        seq.block_table = hit + [bm.allocate_new() for _ in range(total_blocks - len(hit))]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
+        seq.num_published_blocks = len(hit)
+        return hashes
+
+    def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_tokens`; reclaim leases, then preempt the newest others."""
+        bm = self.block_manager
+        needed = seq.blocks_needed(self.block_size, num_tokens) - len(seq.block_table)
+        while needed > bm.num_free_blocks:
+            if self.reclaim_retained():
+                continue
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        for _ in range(max(needed, 0)):
+            seq.block_table.append(bm.allocate_new())
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
+        self.running.remove(seq)
+        self.block_manager.release_all(seq.block_table)
+        seq.block_table, seq.num_computed_tokens, seq.num_published_blocks = [], 0, 0
+        seq.status, seq.remote = Status.WAITING, None
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_loading(self, seq: Sequence) -> None:
+        self.loading.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        for queue in (self.running, self.loading):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release_all(seq.block_table)
+        seq.block_table = []
+        seq.status = Status.FINISHED

@@ -1,0 +1,92 @@
+"""One request's tokens, blocks and progress through the engine."""
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from kvturn.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    LOADING_KV = auto()  # blocks allocated, remote KV being read into them
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class RemoteBlocks:
+    """Blocks a peer retains for this prompt, as confirmed by that peer's side channel."""
+    peer_engine_id: str
+    block_ids: list[int]
+    block_hashes: list[int]
+    block_epochs: list[int]
+    expiry_time: float  # wall-clock epoch seconds
+    handle: str
+
+
+@dataclass(slots=True)
+class Timing:
+    """Where a request's time went, in seconds (returned to clients so a benchmark can split TTFT)."""
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    kv_read_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    kv_read_bytes: int = 0
+
+
+@dataclass(slots=True)
+class RetainSpec:
+    """Keep this request's full blocks after it finishes, under a lease."""
+    ttl_s: float
+    conversation_key: str
+    release_after_read: bool
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 remote: RemoteBlocks | None = None, retain: RetainSpec | None = None):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_published_blocks = 0
+        self.block_hashes: list[int] = []  # chained hashes of the computed full blocks
+        self.num_cached_tokens = 0  # served from the local prefix cache
+        self.num_remote_tokens = 0  # read from a peer
+        self.remote = remote
+        self.reuse_outcome: str | None = None  # "reused" or a decline reason
+        self.retain = retain
+        self.retained: dict | None = None  # lease metadata, set at finish
+        self.finish_reason: str | None = None
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.timing = Timing()
+        self.aborted = False
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        tokens = len(self.token_ids) if num_tokens is None else num_tokens
+        return (tokens + block_size - 1) // block_size

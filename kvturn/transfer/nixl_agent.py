@@ -1,0 +1,139 @@
+"""Moves KV blocks between workers with NIXL READs (UCX backend, DRAM).
+
+Each worker registers its KV pool and its block-epoch array once. A peer is added from the
+metadata its side channel returns; reads then go straight from the peer's memory into ours,
+one descriptor per run of consecutive blocks. Called from the engine thread only.
+"""
+import base64
+import logging
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvturn.engine.kv_cache import KVCache, KVLayout
+
+log = logging.getLogger(__name__)
+
+DONE, IN_PROGRESS, FAILED = "DONE", "PROC", "ERR"
+
+
+class LayoutMismatch(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Peer:
+    engine_id: str
+    agent_name: str
+    pool_address: int
+    epochs_address: int
+    layout: KVLayout
+
+
+def _runs(local_ids: list[int], remote_ids: list[int]):
+    """Group (local, remote) block pairs into runs that are consecutive on both sides."""
+    runs: list[list[int]] = []  # [local_start, remote_start, count]
+    for local, remote in zip(local_ids, remote_ids):
+        if runs and runs[-1][0] + runs[-1][2] == local and runs[-1][1] + runs[-1][2] == remote:
+            runs[-1][2] += 1
+        else:
+            runs.append([local, remote, 1])
+    return runs
+
+
+class KVTransferAgent:
+    def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None):
+        from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+        self.engine_id = engine_id or f"kvturn-{uuid.uuid4().hex[:12]}"
+        self.kv_cache = kv_cache
+        self.layout = kv_cache.layout
+        self.epochs = epochs
+        self.epoch_scratch = np.zeros(len(epochs), dtype=np.int64)  # remote epochs land at the local block's index
+        self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=["UCX"]))
+        self._registrations = [
+            self.agent.register_memory([(kv_cache.base_address, kv_cache.nbytes, 0, "")], mem_type="DRAM"),
+            self.agent.register_memory([(epochs.ctypes.data, epochs.nbytes, 0, "")], mem_type="DRAM"),
+            self.agent.register_memory([(self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes, 0, "")],
+                                       mem_type="DRAM"),
+        ]
+        self.metadata = self.agent.get_agent_metadata()
+        self.peers: dict[str, Peer] = {}
+
+    def local_info(self) -> dict:
+        """What a peer needs to read from us; served by the side channel."""
+        return {
+            "engine_id": self.engine_id,
+            "agent_metadata": base64.b64encode(self.metadata).decode(),
+            "pool_address": self.kv_cache.base_address,
+            "epochs_address": int(self.epochs.ctypes.data),
+            "layout": {f: getattr(self.layout, f) for f in self.layout.__slots__},
+        }
+
+    def add_peer(self, info: dict) -> Peer:
+        engine_id = info["engine_id"]
+        if engine_id in self.peers:
+            return self.peers[engine_id]
+        layout = KVLayout(**info["layout"])
+        differing = self.layout.compatible_with(layout)
+        if differing:
+            raise LayoutMismatch(f"peer {engine_id} has a different KV layout ({', '.join(differing)}): "
+                                 f"ours {self.layout}, theirs {layout}")
+        agent_name = self.agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
+        name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        peer = Peer(engine_id, name, int(info["pool_address"]), int(info["epochs_address"]), layout)
+        self.peers[engine_id] = peer
+        return peer
+
+    def forget_peer(self, engine_id: str) -> None:
+        peer = self.peers.pop(engine_id, None)
+        if peer is not None:
+            try:
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception:  # the peer may already be gone; nothing to undo then
+                log.debug("remove_remote_agent(%s) failed", peer.agent_name, exc_info=True)
+
+    def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
+        peer = self.peers[engine_id]
+        size = self.layout.block_bytes
+        local, remote = [], []
+        for local_start, remote_start, count in _runs(local_ids, remote_ids):
+            local.append((self.kv_cache.base_address + local_start * size, count * size, 0))
+            remote.append((peer.pool_address + remote_start * size, count * size, 0))
+        return self._start(peer, local, remote)
+
+    def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
+        """Read the peer's current epochs of `remote_ids` into epoch_scratch[local_ids]."""
+        peer = self.peers[engine_id]
+        item = self.epochs.itemsize
+        local = [(self.epoch_scratch.ctypes.data + lid * item, item, 0) for lid in local_ids]
+        remote = [(peer.epochs_address + rid * item, item, 0) for rid in remote_ids]
+        return self._start(peer, local, remote)
+
+    def _start(self, peer: Peer, local: list, remote: list):
+        local_descs = self.agent.get_xfer_descs(local, "DRAM")
+        remote_descs = self.agent.get_xfer_descs(remote, "DRAM")
+        handle = self.agent.initialize_xfer("READ", local_descs, remote_descs, peer.agent_name)
+        state = self.agent.transfer(handle)
+        if state == FAILED:
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL READ from {peer.engine_id} failed to start")
+        return handle
+
+    def poll(self, handle) -> str:
+        try:
+            state = self.agent.check_xfer_state(handle)
+        except Exception:  # UCX reports a dead peer by raising
+            log.warning("NIXL transfer failed", exc_info=True)
+            state = FAILED
+        return state
+
+    def release(self, handle) -> None:
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:
+            log.debug("release_xfer_handle failed", exc_info=True)
+
+    def scratch_epochs(self, local_ids: list[int]) -> list[int]:
+        return [int(self.epoch_scratch[i]) for i in local_ids]
