@@ -6,6 +6,7 @@ from dataclasses import dataclass
 class EngineConfig:
     block_size: int = 16
     kv_cache_mb: int = 512
+    num_kv_blocks: int | None = None  # overrides kv_cache_mb when set
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # default: the model's max_position_embeddings

@@ -61,7 +61,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         bytes_per_block = (model_cfg.num_hidden_layers * 2 * config.block_size * model_cfg.num_key_value_heads
                            * model_cfg.head_dim * 4)
-        num_blocks = max(config.kv_cache_mb * 2**20 // bytes_per_block, 1)
+        num_blocks = config.num_kv_blocks or max(config.kv_cache_mb * 2**20 // bytes_per_block, 1)
         self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, config.dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget_blocks = (config.retained_kv_budget_mb * 2**20 // self.kv_cache.layout.block_bytes

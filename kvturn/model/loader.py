@@ -29,4 +29,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Cau
         raise ValueError(f"weights do not match the config: missing={missing[:5]} unexpected={unexpected[:5]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.fuse()
+    return model

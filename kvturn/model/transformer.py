@@ -14,10 +14,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -29,9 +30,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def angles(self, positions, dtype):
+        """cos and sin for `positions`, shaped to broadcast over heads; computed once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(angles, q, k):
+        cos, sin = angles
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -55,15 +60,31 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.has_qk_norm = cfg.has_qk_norm
         self.scale = self.head_dim ** -0.5
+        self.qkv: nn.Linear | None = None
 
-    def forward(self, x, positions, rotary, kv_pool, meta: AttentionMetadata):
+    def fuse(self) -> None:
+        """One matmul for q, k and v (the separate projections keep the Hugging Face names for loading)."""
+        bias = None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        self.qkv = nn.Linear(self.q_proj.in_features, 1, bias=bias is not None, device="meta")
+        self.qkv.weight = nn.Parameter(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                                       requires_grad=False)
+        if bias is not None:
+            self.qkv.bias = nn.Parameter(bias, requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, angles, kv_pool, meta: AttentionMetadata):
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(angles, q, k)
         out = paged_attention(q, k, v, kv_pool, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -74,9 +95,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = nn.Linear(self.gate_proj.in_features, 1, bias=False, device="meta")
+        self.gate_up.weight = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -87,8 +118,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_pool, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_pool, meta)
+    def forward(self, x, angles, kv_pool, meta):
+        x = x + self.self_attn(self.input_layernorm(x), angles, kv_pool, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -114,9 +145,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_pool, meta: AttentionMetadata):
         x = self.model.embed_tokens(input_ids)
+        angles = self.rotary.angles(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, kv_pool, meta)
+            x = layer(x, angles, kv_pool, meta)
         return self.model.norm(x)
+
+    def fuse(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def logits(self, hidden):
         return self.lm_head(hidden).float()

@@ -1,0 +1,56 @@
+from kvturn.engine.block_manager import BlockManager, block_hashes
+
+
+def test_hashes_chain_so_equal_hashes_mean_equal_prefixes():
+    a = block_hashes(list(range(64)), 16)
+    b = block_hashes([99] + list(range(1, 64)), 16)
+    assert len(a) == 4
+    assert all(x != y for x, y in zip(a, b))  # a change in block 0 changes every later hash
+
+
+def test_partial_block_has_no_hash():
+    assert len(block_hashes(list(range(31)), 16)) == 1
+
+
+def test_cache_hit_needs_matching_tokens_not_only_the_hash():
+    bm = BlockManager(4, 16)
+    tokens = list(range(32))
+    hashes = block_hashes(tokens, 16)
+    block = bm.allocate_new()
+    bm.publish(block, hashes[0], tuple(range(1, 17)))  # same hash, different tokens: a collision
+    assert bm.cached_prefix(tokens, hashes) == []
+
+
+def test_freed_blocks_stay_cached_and_are_reused_least_recently_freed_first():
+    bm = BlockManager(3, 16)
+    tokens = list(range(16))
+    h = block_hashes(tokens, 16)
+    first = bm.allocate_new()
+    bm.publish(first, h[0], tuple(tokens))
+    bm.release(first)
+    assert bm.cached_prefix(tokens, h) == [first]
+    second, third = bm.allocate_new(), bm.allocate_new()
+    assert first not in (second, third)  # the other free blocks went first
+    assert bm.cached_prefix(tokens, h) == [first]
+    assert bm.allocate_new() == first and bm.cached_prefix(tokens, h) == []
+
+
+def test_epoch_bumps_when_a_block_gets_new_contents():
+    bm = BlockManager(1, 16)
+    block = bm.allocate_new()
+    epoch = int(bm.epochs[block])
+    bm.release(block)
+    bm.take(block)  # revived from the cache: same contents, same epoch
+    assert bm.epochs[block] == epoch
+    bm.release(block)
+    assert bm.allocate_new() == block and bm.epochs[block] == epoch + 1
+
+
+def test_prefix_caching_off_forgets_freed_blocks():
+    bm = BlockManager(2, 16, enable_prefix_caching=False)
+    tokens = list(range(16))
+    h = block_hashes(tokens, 16)
+    block = bm.allocate_new()
+    bm.publish(block, h[0], tuple(tokens))
+    bm.release(block)
+    assert bm.cached_prefix(tokens, h) == []

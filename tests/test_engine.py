@@ -1,0 +1,98 @@
+"""Greedy outputs through every cache path equal a full recompute and an independent implementation."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvturn.config import EngineConfig
+from kvturn.engine.llm import LLM
+from kvturn.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = [37, 130, 5, 64, 200, 17, 48, 91]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_model_dir, prompts):
+    """Each prompt alone, prefix caching off: the full-recompute reference."""
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False))
+    outputs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert llm.engine.stats.prompt_tokens_cached == 0
+    return outputs
+
+
+def test_cached_prefix_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32))
+    first = [llm.generate([p], GREEDY)[0] for p in prompts]
+    cached_before = llm.engine.stats.prompt_tokens_cached
+    second = [llm.generate([p], GREEDY)[0] for p in prompts]
+    assert llm.engine.stats.prompt_tokens_cached - cached_before >= sum(n // 16 * 16 - 16 for n in PROMPT_LENGTHS)
+    assert first == uncached and second == uncached
+
+
+def test_extended_prompt_reuses_prefix_and_matches(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32))
+    history = prompts[4] + uncached[4]
+    llm.generate([prompts[4]], GREEDY)
+    reference = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False))
+    assert llm.generate([history + [11, 12, 13]], GREEDY) == reference.generate([history + [11, 12, 13]], GREEDY)
+    assert llm.engine.stats.prompt_tokens_cached >= 192
+
+
+def test_batch_of_eight_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False))
+    assert llm.generate(prompts, GREEDY) == uncached
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, max_num_batched_tokens=40))
+    assert llm.generate(prompts, GREEDY) == uncached
+
+
+def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
+    # 40 blocks of 16 tokens cannot hold all eight sequences at once (they need 49).
+    llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=40, max_num_batched_tokens=256))
+    assert llm.generate(prompts, GREEDY) == uncached
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_transformers_greedy_generate_agrees(tiny_model_dir, prompts, uncached):
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for prompt, ours in zip(prompts[:4], uncached[:4]):
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert out[0, len(prompt):].tolist() == ours
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(tiny_model_dir, prompts):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=16))
+    params = lambda seed: SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=seed,  # noqa
+                                         ignore_eos=True)
+    a, b, c = (llm.generate([prompts[0]], params(s))[0] for s in (1, 1, 2))
+    assert a == b and a != c
+
+
+def test_top_k_one_is_greedy(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=16))
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=0, ignore_eos=True)
+    assert llm.generate([prompts[1]], params)[0] == uncached[1]
+
+
+def test_stop_token_and_max_tokens_end_generation(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=16))
+    stop_at = uncached[2][5]
+    out = llm.generate([prompts[2]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out == uncached[2][:uncached[2].index(stop_at) + 1]
+    assert llm.generate([prompts[2]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0] == uncached[2][:3]
+
+
+def test_stop_string_ends_generation(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=16))
+    text = llm.tokenizer.decode(uncached[3][:6])
+    stop = text[-3:] if text[-3:].strip() else text[-4:]
+    out = llm.generate([prompts[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert len(out) <= 6 and stop in llm.tokenizer.decode(out)

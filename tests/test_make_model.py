@@ -1,0 +1,38 @@
+import hashlib
+import json
+
+from kvturn.model.config import ModelConfig
+from kvturn.model.make_model import make_model
+from kvturn.model.tokenizer import ChatTokenizer
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_writes_the_same_bytes(tmp_path):
+    a, b = make_model(tmp_path / "a", "tiny", seed=3), make_model(tmp_path / "b", "tiny", seed=3)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert digest(a / name) == digest(b / name), name
+
+
+def test_other_seed_changes_the_weights_only(tmp_path, tiny_model_dir):
+    other = make_model(tmp_path / "c", "tiny", seed=1)
+    assert digest(other / "model.safetensors") != digest(tiny_model_dir / "model.safetensors")
+    assert digest(other / "tokenizer.json") == digest(tiny_model_dir / "tokenizer.json")
+
+
+def test_directory_is_a_qwen3_hf_model(tiny_model_dir):
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    assert cfg.has_qk_norm and cfg.num_key_value_heads < cfg.num_attention_heads
+
+
+def test_tokenizer_round_trips_text_and_renders_the_chat_template(tiny_model_dir):
+    tok = ChatTokenizer(tiny_model_dir)
+    text = "def add(a, b):\n    return a + b  # ünïcödé"
+    assert tok.decode(tok.encode(text)) == text
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode("<|im_end|>") == [tok.eos_token_id]
