@@ -80,5 +80,91 @@ def worker(
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
 
+@app.command()
+def router(
+    prefill: list[str] = typer.Option(..., "--prefill", help="prefill worker URL (repeat for several)"),
+    decode: list[str] = typer.Option(..., "--decode", help="decode worker URL (repeat for several)"),
+    port: int = typer.Option(8000, help="HTTP port"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    conversation_ttl_s: float = typer.Option(450.0, help="how long the router remembers a conversation's lease, s "
+                                                         "(keep it below the decode TTL)"),
+    state: Optional[Path] = typer.Option(None, "--state", help="SQLite file that keeps the conversation table "
+                                                               "across restarts"),
+    max_in_flight_per_decode: int = typer.Option(32, help="a conversation's decode worker is skipped above this load"),
+    log_level: str = typer.Option("info"),
+):
+    """Run the KV-aware router in front of prefill and decode workers."""
+    import uvicorn
+
+    from kvturn.router.app import RouterConfig, create_app
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = RouterConfig(prefill_urls=prefill, decode_urls=decode, conversation_ttl_s=conversation_ttl_s,
+                          state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+
+
+@app.command()
+def serve(
+    port: int = typer.Option(8000, help="router port; workers take the next two"),
+    model: Optional[Path] = ModelOption,
+    bidirectional: bool = typer.Option(True, "--bidirectional/--no-bidirectional",
+                                       help="read the history back from decode (D->P) on later turns"),
+    prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
+                                                   help="off emulates a prefill cache miss, as in vLLM's published run"),
+    kv_cache_mb: int = typer.Option(1024, help="KV pool of each worker, MiB"),
+    decoder_kv_blocks_ttl_s: float = typer.Option(480.0, help="decode's retention lease, s"),
+    kv_recompute_threshold_tokens: int = typer.Option(64, help="least reusable tokens worth a read"),
+    retained_kv_budget_mb: Optional[int] = typer.Option(None, help="cap on KV retained by decode, MiB"),
+    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET"),
+    log_dir: Optional[Path] = typer.Option(None, help="write each process's log here"),
+):
+    """Start router + 1 prefill + 1 decode worker on this machine; Ctrl-C stops them all."""
+    import signal
+    import time
+
+    from kvturn import launch
+    model_dir = resolve_model(model)
+    p_port, d_port = port + 1, port + 2
+    common = ["--model", model_dir, "--kv-cache-mb", str(kv_cache_mb),
+              "--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
+              "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s),
+              "--bidirectional" if bidirectional else "--no-bidirectional"]
+    if cluster_secret:
+        common += ["--cluster-secret", cluster_secret]
+    p_args = ["worker", "--role", "prefill", "--port", str(p_port), *common]
+    if not prefix_caching_on_prefill:
+        p_args.append("--no-prefix-caching")
+    d_args = ["worker", "--role", "decode", "--port", str(d_port), *common]
+    if retained_kv_budget_mb is not None:
+        d_args += ["--retained-kv-budget-mb", str(retained_kv_budget_mb)]
+    logs = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    children = [launch.start(p_args, logs("prefill")), launch.start(d_args, logs("decode"))]
+    stopping = False
+
+    def shutdown(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, shutdown)
+    signal.signal(signal.SIGTERM, shutdown)
+    try:
+        for child, child_port in zip(children, (p_port, d_port)):
+            launch.wait_healthy(f"http://127.0.0.1:{child_port}", child)
+        children.append(launch.start(["router", "--port", str(port), "--prefill", f"http://127.0.0.1:{p_port}",
+                                      "--decode", f"http://127.0.0.1:{d_port}"], logs("router")))
+        launch.wait_healthy(f"http://127.0.0.1:{port}", children[-1])
+        typer.echo(f"kvturn serving on http://127.0.0.1:{port}/v1 (prefill :{p_port}, decode :{d_port}, "
+                   f"bidirectional {'on' if bidirectional else 'off'})")
+        while not stopping and all(c.poll() is None for c in children):
+            time.sleep(0.2)
+    finally:
+        for child in reversed(children):
+            launch.stop(child)
+    failed = [c for c in children if c.returncode not in (0, -15)]
+    raise typer.Exit(1 if failed and not stopping else 0)
+
+
 if __name__ == "__main__":
     app()

@@ -210,8 +210,10 @@ class LLMEngine:
         if seq.remote is None:
             return
         remote, local_hit = seq.remote, seq.num_published_blocks
+        threshold = self.config.kv_recompute_threshold_tokens if remote.min_reuse_tokens is None \
+            else remote.min_reuse_tokens
         decision = reuse_policy.decide_reuse(prompt_hashes, remote.block_hashes, local_hit, self.block_size,
-                                             self.config.kv_recompute_threshold_tokens, remote.expiry_time,
+                                             threshold, remote.expiry_time,
                                              time.time(), self.config.kv_expiry_margin_s)
         if not decision.loads:
             self._decline(seq, decision.reason)
@@ -263,6 +265,7 @@ class LLMEngine:
             self._fallback(load, reuse_policy.READ_FAILED, in_flight=False)
 
     def _complete_load(self, load: PendingLoad) -> None:
+        self.loads.remove(load)
         seq = load.seq
         first, last = load.block_range
         elapsed = time.perf_counter() - load.started

@@ -24,6 +24,7 @@ class RemoteBlocks:
     block_epochs: list[int]
     expiry_time: float  # wall-clock epoch seconds
     handle: str
+    min_reuse_tokens: int | None = None  # None: the engine's kv_recompute_threshold_tokens
 
 
 @dataclass(slots=True)

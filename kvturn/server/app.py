@@ -156,6 +156,8 @@ class Worker:
                     declined = resolved
                 else:
                     remote = resolved
+                    if not plan.prefill_for_remote_decode:
+                        remote.min_reuse_tokens = 1  # P->D: P already computed these; any block D lacks is read
         seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
         seq.timing.arrival = arrival
         if declined:

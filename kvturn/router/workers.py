@@ -1,0 +1,48 @@
+"""The router's view of its prefill and decode workers: health and load."""
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger("kvturn.router")
+
+
+@dataclass(slots=True)
+class WorkerState:
+    url: str
+    role: str
+    healthy: bool = True
+    in_flight: int = 0
+
+
+class WorkerPool:
+    def __init__(self, urls: list[str], role: str):
+        self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
+        self.role = role
+
+    def healthy(self) -> list[WorkerState]:
+        return [w for w in self.workers if w.healthy]
+
+    def least_loaded(self, exclude: set[str] = frozenset()) -> WorkerState | None:
+        candidates = [w for w in self.healthy() if w.url not in exclude]
+        return min(candidates, key=lambda w: w.in_flight, default=None)
+
+    def find(self, url: str) -> WorkerState | None:
+        return next((w for w in self.workers if w.url == url), None)
+
+    def mark_dead(self, worker: WorkerState) -> None:
+        if worker.healthy:
+            log.warning("%s worker %s left the rotation", self.role, worker.url)
+        worker.healthy = False
+
+    async def check(self, client: httpx.AsyncClient) -> None:
+        async def probe(worker: WorkerState):
+            try:
+                ok = (await client.get(f"{worker.url}/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok and not worker.healthy:
+                log.info("%s worker %s is back", self.role, worker.url)
+            worker.healthy = ok
+        await asyncio.gather(*(probe(w) for w in self.workers))
