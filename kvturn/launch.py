@@ -47,3 +47,92 @@ def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+class LocalStack:
+    """A kvturn deployment on this machine: one colocated worker, or router + prefill + decode workers.
+
+    `url` is what clients talk to (the router, or the colocated worker).
+    """
+
+    def __init__(self, model_dir: str, mode: str = "pd", bidirectional: bool = True,
+                 prefix_caching_on_prefill: bool = True, num_decode: int = 1, kv_cache_mb: int = 512,
+                 worker_args: list[str] = (), prefill_args: list[str] = (), decode_args: list[str] = (),
+                 router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None):
+        self.model_dir, self.mode = str(model_dir), mode
+        self.bidirectional, self.prefix_caching_on_prefill = bidirectional, prefix_caching_on_prefill
+        self.num_decode, self.kv_cache_mb = num_decode, kv_cache_mb
+        self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
+        self.decode_args, self.router_args = list(decode_args), list(router_args)
+        self.log_dir, self.env = log_dir, env
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+
+    def _log(self, name: str) -> Path | None:
+        if self.log_dir is None:
+            return None
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        return self.log_dir / f"{name}.log"
+
+    def start_worker(self, name: str, role: str, extra: list[str]) -> None:
+        port = free_port()
+        args = ["worker", "--role", role, "--port", str(port), "--model", self.model_dir,
+                "--kv-cache-mb", str(self.kv_cache_mb), *self.worker_args, *extra]
+        if self.bidirectional and role != "both":
+            args.append("--bidirectional")
+        self.processes[name] = start(args, self._log(name), self.env)
+        self.urls[name] = f"http://127.0.0.1:{port}"
+
+    def start(self) -> "LocalStack":
+        self.start_worker_processes()
+        self.wait_and_start_router()
+        return self
+
+    def start_worker_processes(self) -> None:
+        if self.mode == "colocated":
+            self.start_worker("worker", "both", [])
+        else:
+            prefill_extra = [] if self.prefix_caching_on_prefill else ["--no-prefix-caching"]
+            self.start_worker("prefill", "prefill", prefill_extra + self.prefill_args)
+            for i in range(self.num_decode):
+                self.start_worker(f"decode{i}", "decode", self.decode_args)
+
+    def wait_and_start_router(self) -> None:
+        for name, url in list(self.urls.items()):
+            wait_healthy(url, self.processes[name])
+        if self.mode != "colocated":
+            port = free_port()
+            args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
+            for i in range(self.num_decode):
+                args += ["--decode", self.urls[f"decode{i}"]]
+            self.processes["router"] = start([*args, *self.router_args], self._log("router"), self.env)
+            self.urls["router"] = f"http://127.0.0.1:{port}"
+            wait_healthy(self.urls["router"], self.processes["router"])
+
+    @property
+    def url(self) -> str:
+        return self.urls["worker" if self.mode == "colocated" else "router"]
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.processes[name].send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.processes[name].wait(timeout=30)
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                except ProcessLookupError:
+                    pass
+            stop(process)
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,141 @@
+"""P/D disaggregation and bidirectional KV transfer: real worker processes, real NIXL reads on loopback."""
+import signal
+import time
+
+import httpx
+import pytest
+
+from chat import conversation, metric, send, user_message
+from kvturn.launch import LocalStack
+
+BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
+TURNS = 5
+
+
+@pytest.fixture(scope="module")
+def stacks(tiny_model_dir, tmp_path_factory):
+    """Four deployments started together (their start-up overlaps)."""
+    logs = tmp_path_factory.mktemp("stack-logs")
+    specs = {
+        "colocated": dict(mode="colocated"),
+        "pd": dict(bidirectional=False),
+        "bidir": dict(prefix_caching_on_prefill=False),
+        # prefix cache on P, two decode workers, a short lease: for threshold, expiry and failover
+        "bidir2": dict(num_decode=2, decode_args=["--decoder-kv-blocks-ttl-s", "8"]),
+    }
+    built = {name: LocalStack(tiny_model_dir, kv_cache_mb=64, log_dir=logs / name, **spec)
+             for name, spec in specs.items()}
+    try:
+        for stack in built.values():  # launch all processes first, then wait for each
+            stack.start_worker_processes()
+        for stack in built.values():
+            stack.wait_and_start_router()
+        yield built
+    finally:
+        for stack in built.values():
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(stacks):
+    return conversation(stacks["colocated"].url, TURNS)
+
+
+def test_greedy_outputs_identical_colocated_pd_and_bidirectional(stacks, reference):
+    _, expected = reference
+    for name in ("pd", "bidir"):
+        _, results = conversation(stacks[name].url, TURNS)
+        assert [r["text"] for r in results] == [r["text"] for r in expected], name
+
+
+def test_bidirectional_turns_read_history_from_decode(stacks, reference):
+    stack = stacks["bidir"]
+    computed_before = metric(stack.urls["prefill"], "kvturn_prompt_tokens_computed_total")
+    bytes_before = metric(stack.urls["prefill"], "kvturn_kv_read_bytes_total")
+    _, results = conversation(stack.url, TURNS, conversation_id="conv-reads")
+    assert results[0]["kvturn"]["reuse"] is None
+    computed_total = results[0]["kvturn"]["prompt_tokens_computed_prefill"]
+    for previous, current in zip(results, results[1:]):
+        kv = current["kvturn"]
+        assert kv["reuse"] == "reused"
+        new_tokens = current["usage"]["prompt_tokens"] - previous["usage"]["prompt_tokens"] - 16
+        assert kv["prompt_tokens_computed_prefill"] <= new_tokens + 2 * 16  # the new turn plus a partial block
+        assert kv["prompt_tokens_computed_prefill"] + kv["prompt_tokens_from_decode"] == current["usage"]["prompt_tokens"]
+        assert kv["bytes_d_to_p"] == kv["prompt_tokens_from_decode"] // 16 * BLOCK_BYTES
+        assert kv["timing"]["d_to_p_read_ms"] > 0
+        computed_total += kv["prompt_tokens_computed_prefill"]
+    read_bytes = sum(r["kvturn"]["bytes_d_to_p"] for r in results)
+    assert metric(stack.urls["prefill"], "kvturn_kv_read_bytes_total") - bytes_before == read_bytes
+    assert metric(stack.urls["prefill"], "kvturn_prompt_tokens_computed_total") - computed_before == computed_total
+
+
+def test_edited_history_reuses_only_the_matching_prefix(stacks, reference):
+    stack = stacks["bidir"]
+    messages, _ = conversation(stack.url, 3, conversation_id="conv-edit")
+    edited = [dict(m) for m in messages] + [user_message(3)]
+    edited[1]["content"] = edited[1]["content"].replace("Tool result 0", "Tool result 0 (edited)")
+    result = send(stack.url, edited, "conv-edit", stream=False)
+    expected = send(stacks["colocated"].url, edited, None, stream=False)
+    assert result["text"] == expected["text"]
+    system_tokens = send(stacks["colocated"].url, edited[:1], None, stream=False, max_tokens=1)["usage"]["prompt_tokens"]
+    reused = result["kvturn"]["prompt_tokens_from_decode"]
+    assert result["kvturn"]["reuse"] == "reused" and 0 < reused <= system_tokens + 16
+
+
+def test_a_retained_handle_can_be_read_twice(stacks):
+    """A retried turn presents the same lease again and still gets the history."""
+    stack = stacks["bidir"]
+    messages, results = conversation(stack.url, 1, conversation_id="conv-retry")
+    lease = send(stack.urls["decode0"], messages[:-1], "conv-retry-direct", stream=False)["kv_transfer_params"]
+    next_turn = messages[:-1] + [{"role": "assistant", "content": results[0]["text"]}, user_message(1)]
+    attempts = []
+    for _ in range(2):
+        kv = {**lease, "do_remote_decode": True, "do_remote_prefill": False}
+        body = {"messages": next_turn, "max_tokens": 1, "temperature": 0, "kv_transfer_params": kv,
+                "conversation_id": "conv-retry-direct"}
+        attempts.append(httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60).json())
+    assert [a["kvturn"]["reuse"] for a in attempts] == ["reused", "reused"]
+    assert attempts[0]["kvturn"]["prompt_tokens_remote"] == attempts[1]["kvturn"]["prompt_tokens_remote"] > 0
+
+
+def test_a_handle_is_bound_to_its_conversation(stacks):
+    stack = stacks["bidir"]
+    messages, _ = conversation(stack.url, 1, conversation_id="conv-owner")
+    lease = send(stack.urls["decode0"], messages[:-1], "conv-owner", stream=False)["kv_transfer_params"]
+    kv = {**lease, "do_remote_decode": True, "do_remote_prefill": False}
+    body = {"messages": messages + [user_message(1)], "max_tokens": 1, "kv_transfer_params": kv,
+            "conversation_id": "conv-intruder"}
+    result = httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60).json()
+    assert result["kvturn"]["reuse"] == "lease_unknown" and result["kvturn"]["prompt_tokens_remote"] == 0
+
+
+def test_reusable_tokens_below_threshold_are_recomputed(stacks):
+    stack = stacks["bidir2"]  # P keeps its own prefix cache: D's lease adds only the 16-token answer
+    _, results = conversation(stack.url, 2, conversation_id="conv-threshold")
+    assert results[1]["kvturn"]["reuse"] == "below_threshold"
+    assert results[1]["kvturn"]["prompt_tokens_cached_prefill"] > 0
+    assert metric(stack.urls["prefill"], "kvturn_kv_reuse_declines_total", '{reason="below_threshold"}') >= 1
+
+
+def test_lease_about_to_expire_is_declined(stacks, reference):
+    stack = stacks["bidir2"]  # 8 s lease, P declines reads within 5 s of the end
+    messages, _ = conversation(stack.url, 1, conversation_id="conv-expiry", start=[{"role": "system",
+                                                                                   "content": "x " * 400}])
+    time.sleep(3.5)
+    result = send(stack.url, messages + [user_message(1)], "conv-expiry", stream=False)
+    assert result["kvturn"]["reuse"] == "expired"
+    assert result["kvturn"]["prompt_tokens_from_decode"] == 0
+
+
+def test_decode_killed_between_turns_falls_back_to_recompute(stacks, reference):
+    stack = stacks["bidir2"]
+    messages, results = conversation(stack.url, 2, conversation_id="conv-kill",
+                                     start=[{"role": "system", "content": "y " * 400}])
+    holder = next(name for name, url in stack.urls.items() if url == results[-1]["kvturn"]["decode_worker"])
+    stack.kill(holder, signal.SIGKILL)
+    messages.append(user_message(2))
+    result = send(stack.url, messages, "conv-kill", stream=False)
+    assert result["kvturn"]["reuse"] in ("peer_unreachable", "lease_unknown")
+    assert result["kvturn"]["decode_worker"] != stack.urls[holder]
+    expected = send(stacks["colocated"].url, messages, None, stream=False)
+    assert result["text"] == expected["text"]
