@@ -1,0 +1,227 @@
+"""Replays conversations against an OpenAI-compatible URL and records what each request cost.
+
+Per-request field names follow vLLM's multi-turn benchmark (`ttft_ms`, `tpot_ms`, ...); when the
+server is kvturn, the response's `kvturn` block adds the prefill split and the reuse outcome.
+"""
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+from rich.progress import Progress
+
+from kvturn.bench.workload import Conversation
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    conversation_id: str
+    client_id: int
+    turn: int
+    input_num_turns: int
+    start_time_ms: float
+    warmup: bool
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    latency_ms: float | None = None
+    input_num_tokens: int | None = None
+    output_num_tokens: int | None = None
+    output_num_chunks: int = 0
+    output_num_first_chunk_tokens: int | None = None
+    approx_cached_percent: float | None = None
+    reuse: str | None = None
+    queue_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    d_to_p_read_ms: float | None = None
+    p_to_d_read_ms: float | None = None
+    bytes_d_to_p: int = 0
+    bytes_p_to_d: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    conversation_id: str
+    client_id: int
+    start_s: float
+    duration_s: float | None = None
+    turns_completed: int = 0
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class RunResult:
+    requests: list[RequestRecord] = field(default_factory=list)
+    sessions: list[SessionRecord] = field(default_factory=list)
+    retained_kv: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, bytes)
+    runtime_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
+                "retained_kv": self.retained_kv, "runtime_s": self.runtime_s}
+
+
+class RateLimiter:
+    """Poisson arrivals at `rate` requests per second (no limit when rate <= 0)."""
+
+    def __init__(self, rate: float, seed: int):
+        self.rate = rate
+        self.rng = np.random.default_rng(seed)
+        self.next_at = time.perf_counter()
+        self.lock = asyncio.Lock()
+
+    async def wait(self) -> None:
+        if self.rate <= 0:
+            return
+        async with self.lock:
+            self.next_at = max(self.next_at, time.perf_counter()) + self.rng.exponential(1 / self.rate)
+            delay = self.next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+async def model_name(client: httpx.AsyncClient, url: str) -> str:
+    response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def decode_metric_urls(client: httpx.AsyncClient, url: str) -> list[str]:
+    """A kvturn router lists its decode workers in /health; a lone worker is its own decode worker."""
+    try:
+        health = (await client.get(f"{url}/health")).json()
+    except (httpx.HTTPError, ValueError):
+        return []
+    if "decode" in health:
+        return list(health["decode"])
+    return [url] if "role" in health else []
+
+
+async def sample_retained_kv(client: httpx.AsyncClient, urls: list[str], start: float, out: list, stop: asyncio.Event,
+                             interval_s: float = 0.5) -> None:
+    while not stop.is_set():
+        total = 0.0
+        for url in urls:
+            try:
+                for line in (await client.get(f"{url}/metrics", timeout=5)).text.splitlines():
+                    if line.startswith("kvturn_kv_retained_bytes "):
+                        total += float(line.split()[1])
+            except httpx.HTTPError:
+                pass
+        out.append((time.perf_counter() - start, total))
+        try:
+            await asyncio.wait_for(stop.wait(), interval_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], record: RequestRecord,
+                   max_tokens: int, ignore_eos: bool) -> str:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
+            "conversation_id": record.conversation_id}
+    headers = {"X-Conversation-Id": record.conversation_id, "X-Session-ID": record.conversation_id}
+    sent = time.perf_counter()
+    first_at, last_at, answer, kvturn, usage = None, None, [], None, None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "stream error"))
+            usage = chunk.get("usage") or usage
+            kvturn = chunk.get("kvturn") or kvturn
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    now = time.perf_counter()
+                    if first_at is None:
+                        first_at = now
+                        record.output_num_first_chunk_tokens = 1
+                    last_at = now
+                    record.output_num_chunks += 1
+                    answer.append(content)
+    done = time.perf_counter()
+    record.latency_ms = (done - sent) * 1e3
+    record.ttft_ms = ((first_at or done) - sent) * 1e3
+    if usage:
+        record.input_num_tokens = usage.get("prompt_tokens")
+        record.output_num_tokens = usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None and record.input_num_tokens:
+            record.approx_cached_percent = 100.0 * cached / record.input_num_tokens
+    if record.output_num_tokens and record.output_num_tokens > 1 and first_at is not None:
+        record.tpot_ms = ((last_at or done) - first_at) * 1e3 / (record.output_num_tokens - 1)
+    if kvturn:
+        timing = kvturn.get("timing") or {}
+        record.reuse = kvturn.get("reuse")
+        record.queue_ms = timing.get("queue_ms")
+        record.prefill_compute_ms = timing.get("prefill_compute_ms")
+        record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
+        record.p_to_d_read_ms = timing.get("p_to_d_read_ms")
+        record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
+        record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0
+    return "".join(answer)
+
+
+async def run(url: str, conversations: list[Conversation], sessions: int = 4, request_rate: float = 0.0,
+              warmup_turns: int = 0, max_turns: int | None = None, seed: int = 0, ignore_eos: bool = True,
+              show_progress: bool = True, request_timeout_s: float = 600.0) -> RunResult:
+    """Replay every conversation, at most `sessions` at a time; turns of one conversation run in order."""
+    url = url.rstrip("/")
+    result = RunResult()
+    limiter = RateLimiter(request_rate, seed)
+    total_turns = sum(min(len(c.turns), max_turns or len(c.turns)) for c in conversations)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=10)) as client:
+        model = await model_name(client, url)
+        metric_urls = await decode_metric_urls(client, url)
+        queue: asyncio.Queue = asyncio.Queue()
+        for conv in conversations:
+            queue.put_nowait(conv)
+        start = time.perf_counter()
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_retained_kv(client, metric_urls, start, result.retained_kv, stop))
+        with Progress(disable=not show_progress, transient=True) as progress:
+            task = progress.add_task("turns", total=total_turns)
+
+            async def session_worker(client_id: int):
+                while not queue.empty():
+                    conv = queue.get_nowait()
+                    session = SessionRecord(conv.conversation_id, client_id, time.perf_counter() - start)
+                    result.sessions.append(session)
+                    messages = [{"role": "system", "content": conv.system}] if conv.system else []
+                    for index, turn in enumerate(conv.turns[:max_turns or len(conv.turns)]):
+                        if turn.gap_s > 0 and index > 0:
+                            await asyncio.sleep(turn.gap_s)
+                        if turn.edit_history and len(messages) > 2:
+                            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+                            messages[first_user] = {**messages[first_user],
+                                                    "content": "(revised) " + messages[first_user]["content"]}
+                        messages.append({"role": "user", "content": turn.user})
+                        await limiter.wait()
+                        record = RequestRecord(conv.conversation_id, client_id, index, len(messages),
+                                               (time.perf_counter() - start) * 1e3, warmup=index < warmup_turns)
+                        result.requests.append(record)
+                        try:
+                            answer = await one_turn(client, url, model, messages, record, turn.answer_tokens,
+                                                    ignore_eos)
+                        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                            record.error = f"{type(exc).__name__}: {exc}"[:300]
+                            session.failed = True
+                            progress.advance(task, len(conv.turns) - index)
+                            break
+                        messages.append({"role": "assistant", "content": answer})
+                        session.turns_completed += 1
+                        progress.advance(task)
+                    session.duration_s = time.perf_counter() - start - session.start_s
+
+            await asyncio.gather(*(session_worker(i) for i in range(max(1, sessions))))
+        stop.set()
+        await sampler
+        result.runtime_s = time.perf_counter() - start
+    return result

@@ -1,0 +1,177 @@
+"""Summaries, the terminal table, JSON, PNG plots and one self-contained HTML page."""
+import base64
+import html
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvturn.bench.client import RunResult
+
+BUCKET_TOKENS = 1024
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    points = [25, 50, 75, 90] + ([99] if len(values) >= 100 else []) + ([99.9] if len(values) >= 1000 else [])
+    stats = {f"p{p:g}": float(np.percentile(values, p)) for p in points}
+    stats["mean"] = float(np.mean(values))
+    return stats
+
+
+def summarize(name: str, result: RunResult) -> dict:
+    measured = [r for r in result.requests if not r.warmup]
+    ok = [r for r in measured if r.error is None]
+    sessions = [s for s in result.sessions if s.duration_s is not None]
+    outcomes = Counter(r.reuse or "none" for r in ok)
+    return {
+        "leg": name,
+        "requests": len(measured),
+        "failed": len(measured) - len(ok),
+        "errors": sorted({r.error for r in measured if r.error})[:5],
+        "runtime_sec": result.runtime_s,
+        "requests_per_sec": len(ok) / result.runtime_s if result.runtime_s else 0.0,
+        "ttft_ms": percentiles([r.ttft_ms for r in ok]),
+        "tpot_ms": percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        "latency_ms": percentiles([r.latency_ms for r in ok]),
+        "session_time_s": percentiles([s.duration_s for s in sessions if not s.failed]),
+        "reuse_outcomes": dict(outcomes),
+        "bytes_d_to_p": sum(r.bytes_d_to_p for r in ok),
+        "bytes_p_to_d": sum(r.bytes_p_to_d for r in ok),
+        "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
+    }
+
+
+def ttft_at(result: RunResult, conversation_id: str, turn: int) -> dict | None:
+    for r in result.requests:
+        if r.conversation_id == conversation_id and r.turn == turn and r.error is None:
+            return {"ttft_ms": r.ttft_ms, "input_num_tokens": r.input_num_tokens, "reuse": r.reuse,
+                    "prefill_compute_ms": r.prefill_compute_ms, "d_to_p_read_ms": r.d_to_p_read_ms,
+                    "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p}
+    return None
+
+
+def longest_request(result: RunResult):
+    ok = [r for r in result.requests if r.error is None and r.input_num_tokens]
+    return max(ok, key=lambda r: r.input_num_tokens, default=None)
+
+
+def print_table(summaries: list[dict], title: str, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=title)
+    for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "TPOT p50", "session p50", "reuse / declines",
+                "D->P MiB", "P->D MiB", "peak retained MiB"):
+        table.add_column(col, justify="right" if col != "reuse / declines" else "left")
+    for s in summaries:
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items()))
+        table.add_row(s["leg"], f"{s['requests'] - s['failed']}/{s['failed']}",
+                      f"{s['ttft_ms'].get('p50', float('nan')):.0f} ms", f"{s['ttft_ms'].get('p90', float('nan')):.0f} ms",
+                      f"{s['tpot_ms'].get('p50', float('nan')):.1f} ms",
+                      f"{s['session_time_s'].get('p50', float('nan')):.1f} s", outcomes,
+                      f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
+                      f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")
+    console.print(table)
+
+
+def _buckets(result: RunResult):
+    rows = {}
+    for r in result.requests:
+        if r.error is None and not r.warmup and r.input_num_tokens:
+            rows.setdefault(r.input_num_tokens // BUCKET_TOKENS, []).append(r)
+    return dict(sorted(rows.items()))
+
+
+def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, result in results.items():
+        buckets = _buckets(result)
+        xs = [(b + 0.5) * BUCKET_TOKENS for b in buckets]
+        ax.plot(xs, [np.mean([r.ttft_ms for r in rs]) for rs in buckets.values()], marker="o", label=name)
+    ax.set(xlabel="prompt length (tokens, 1k buckets)", ylabel="mean TTFT (ms)", title="TTFT against prompt length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths["ttft_vs_prompt"] = _save(fig, out_dir / "ttft_vs_prompt.png")
+
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 4), sharey=True, squeeze=False)
+    parts = [("prefill compute", "prefill_compute_ms", "#4c72b0"), ("D->P read", "d_to_p_read_ms", "#dd8452"),
+             ("P->D read", "p_to_d_read_ms", "#55a868")]
+    for ax, (name, result) in zip(axes[0], results.items()):
+        buckets = _buckets(result)
+        labels = [f"{b}k" for b in buckets]
+        bottom = np.zeros(len(buckets))
+        for label, key, color in parts:
+            values = np.array([np.mean([getattr(r, key) or 0.0 for r in rs]) for rs in buckets.values()])
+            ax.bar(labels, values, bottom=bottom, label=label, color=color)
+            bottom += values
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("prompt bucket")
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0][0].set_ylabel("ms (mean per request)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle("Prefill time: compute and transfer")
+    paths["prefill_split"] = _save(fig, out_dir / "prefill_split.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = list(results)
+    means = [np.mean([s.duration_s for s in r.sessions if s.duration_s and not s.failed] or [0]) for r in results.values()]
+    ax.bar(names, means, color="#4c72b0")
+    ax.set(ylabel="mean completed-session time (s)", title="Session completion time")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    paths["session_time"] = _save(fig, out_dir / "session_time.png")
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, result in results.items():
+        if result.retained_kv:
+            t, b = zip(*result.retained_kv)
+            ax.plot(t, np.array(b) / 2**20, label=name)
+    ax.set(xlabel="seconds since start", ylabel="MiB", title="KV retained on decode workers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths["retained_kv"] = _save(fig, out_dir / "retained_kv.png")
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict) -> Path:
+    def img(p: Path) -> str:
+        return f'<img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
+
+    head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "session p50 s", "reuse / declines",
+            "D->P MiB", "P->D MiB", "peak retained MiB"]
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+            s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
+            f"{s['ttft_ms'].get('p90', 0):.0f}", f"{s['tpot_ms'].get('p50', 0):.1f}",
+            f"{s['session_time_s'].get('p50', 0):.1f}",
+            ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items())),
+            f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
+            f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")) + "</tr>" for s in summaries)
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}pre{{background:#f6f6f6;padding:1em}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>
+<h2>Details</h2><pre>{html.escape(json.dumps(extra, indent=2))}</pre>
+{''.join(f'<h2>{html.escape(k)}</h2>{img(p)}' for k, p in plots.items())}
+</body></html>"""
+    path.write_text(page)
+    return path

@@ -1,0 +1,111 @@
+"""Measure NIXL READ time between two processes: raw (one descriptor) and as kvturn block reads.
+
+Used by `benchmarks/transfer.py` and by the benchmark report's ideal-speedup estimate.
+`python -m kvturn.transfer.bandwidth --serve MIB MODEL_DIR` is the remote side.
+"""
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvturn.engine.kv_cache import KVCache
+from kvturn.model.config import ModelConfig
+from kvturn.transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+
+
+def make_side(model_dir: str | Path, pool_mib: int, name: str, block_size: int = 16):
+    """A KV pool of the model's layout plus a raw buffer of the same size, both registered with NIXL."""
+    cfg = ModelConfig.from_dir(model_dir)
+    block_bytes = cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * 4
+    kv = KVCache(cfg, max(pool_mib * 2**20 // block_bytes, 1), block_size)
+    kv.pool.normal_()
+    agent = KVTransferAgent(kv, np.zeros(kv.layout.num_blocks, dtype=np.int64), engine_id=name)
+    raw = torch.empty(pool_mib * 2**20, dtype=torch.uint8)
+    raw.random_(0, 255)
+    agent.agent.register_memory([(raw.data_ptr(), raw.numel(), 0, "")], mem_type="DRAM")
+    agent.metadata = agent.agent.get_agent_metadata()  # now it describes the raw buffer too
+    return agent, kv, raw
+
+
+def wait(agent: KVTransferAgent, handle) -> None:
+    while (state := agent.poll(handle)) == IN_PROGRESS:
+        pass
+    agent.release(handle)
+    if state != DONE:
+        raise RuntimeError(f"transfer ended in state {state}")
+
+
+def median_seconds(fns: list, repeats: int) -> list[float]:
+    """Median time of each function, run in rotation so that machine noise hits all alike."""
+    for fn in fns:
+        fn()  # warm-up: first-use costs (UCX endpoints, registration caches)
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in samples]
+
+
+class ReadBench:
+    """This process reads from a second process's pool and raw buffer."""
+
+    def __init__(self, model_dir: str | Path, pool_mib: int):
+        self.remote = subprocess.Popen([sys.executable, "-m", "kvturn.transfer.bandwidth", "--serve", str(pool_mib),
+                                        str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = ""
+        while not line.startswith("HELLO "):  # NIXL logs to stdout too
+            line = self.remote.stdout.readline()
+            if not line:
+                raise RuntimeError("the remote side exited before it was ready")
+        hello = json.loads(line[6:])
+        self.raw_address = hello["raw_address"]
+        self.agent, self.kv, self.raw = make_side(model_dir, pool_mib, "bench-local")
+        self.peer = self.agent.add_peer(hello["info"])
+        self.block_bytes = self.kv.layout.block_bytes
+
+    def raw_read(self, nbytes: int):
+        """A function doing one raw READ of `nbytes` as a single descriptor."""
+        def read():
+            local = self.agent.agent.get_xfer_descs([(self.raw.data_ptr(), nbytes, 0)], "DRAM")
+            remote = self.agent.agent.get_xfer_descs([(self.raw_address, nbytes, 0)], "DRAM")
+            handle = self.agent.agent.initialize_xfer("READ", local, remote, self.peer.agent_name)
+            self.agent.agent.transfer(handle)
+            wait(self.agent, handle)
+        return read
+
+    def block_read(self, block_ids: list[int]):
+        """A function reading `block_ids` of the remote pool into the same ids of ours, as the engine does."""
+        return lambda: wait(self.agent, self.agent.start_block_read(self.peer.engine_id, block_ids, block_ids))
+
+    def raw_read_s(self, nbytes: int, repeats: int = 5) -> float:
+        return median_seconds([self.raw_read(nbytes)], repeats)[0]
+
+    def close(self) -> None:
+        self.remote.stdin.close()
+        self.remote.wait(timeout=30)
+
+    def __enter__(self) -> "ReadBench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _serve(pool_mib: int, model_dir: str) -> None:
+    agent, kv, raw = make_side(model_dir, pool_mib, "bench-remote")
+    print("HELLO " + json.dumps({"info": agent.local_info(), "raw_address": raw.data_ptr()}), flush=True)
+    sys.stdin.read()  # hold the memory until the reader is done
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        _serve(int(sys.argv[2]), sys.argv[3])
+    else:
+        sys.exit("usage: python -m kvturn.transfer.bandwidth --serve MIB MODEL_DIR")
