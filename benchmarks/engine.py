@@ -12,13 +12,11 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json  # noqa: E402
-
-from kvturn.config import EngineConfig  # noqa: E402
-from kvturn.engine.llm import LLM  # noqa: E402
-from kvturn.engine.sampling import SamplingParams  # noqa: E402
-from kvturn.model.make_model import default_model_dir  # noqa: E402
+from kvturn.config import EngineConfig
+from kvturn.engine.llm import LLM
+from kvturn.engine.sampling import SamplingParams
+from kvturn.bench.machine import machine, write_json
+from kvturn.model.make_model import default_model_dir
 
 
 def best_of(repeats: int, fn) -> float:

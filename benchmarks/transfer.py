@@ -14,11 +14,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_json  # noqa: E402
-
-from kvturn.model.make_model import default_model_dir  # noqa: E402
-from kvturn.transfer.bandwidth import ReadBench, median_seconds  # noqa: E402
+from kvturn.bench.machine import machine, write_json
+from kvturn.model.make_model import default_model_dir
+from kvturn.transfer.bandwidth import ReadBench, median_seconds
 
 
 def main() -> None:

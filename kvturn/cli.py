@@ -166,5 +166,96 @@ def serve(
     raise typer.Exit(1 if failed and not stopping else 0)
 
 
+@app.command()
+def bench(
+    url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
+    compare: bool = typer.Option(False, "--compare", help="launch each local deployment leg in turn and compare"),
+    scenario: str = typer.Option("sweep", help="sweep, no-reuse, resume-after-ttl, edited-history, short-turns, "
+                                               "concurrent"),
+    workload_file: Optional[Path] = typer.Option(None, "--workload", help="JSON workload: vLLM's conversation list, "
+                                                                          "its generate_conversations config, or a "
+                                                                          "kvturn_synthetic config"),
+    legs: str = typer.Option(",".join(["colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on",
+                                       "bidir/P-cache-off"]), help="legs to run with --compare"),
+    sessions: Optional[int] = typer.Option(None, help="sessions (clients) in parallel (default: the scenario's)"),
+    max_turns: Optional[int] = typer.Option(None, help="cut every conversation after this many turns"),
+    turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
+    max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep"),
+    request_rate: float = typer.Option(0.0, help="requests per second, Poisson arrivals (0: as fast as sessions go)"),
+    warmup_turns: int = typer.Option(0, help="leading turns of each session left out of the statistics"),
+    limit_min_tokens: Optional[int] = typer.Option(None, help="floor on answer tokens per turn"),
+    limit_max_tokens: Optional[int] = typer.Option(None, help="cap on answer tokens per turn"),
+    seed: int = typer.Option(0),
+    model: Optional[Path] = ModelOption,
+    kv_cache_mb: int = typer.Option(512, help="KV pool of each launched worker, MiB"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
+):
+    """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""
+    import asyncio
+    import sys
+
+    from rich.console import Console
+
+    from kvturn.bench import client, compare as comparison, report, workload
+    from kvturn.bench.machine import machine, write_json
+    from kvturn.model.tokenizer import ChatTokenizer
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if not compare and not url:
+        raise typer.BadParameter("give --url URL, or --compare to launch local legs")
+    if scenario not in comparison.SCENARIOS:
+        raise typer.BadParameter(f"scenario must be one of {sorted(comparison.SCENARIOS)}")
+    model_dir = resolve_model(model)
+    tokenizer = ChatTokenizer(model_dir)
+    source = workload.TextSource(tokenizer)
+    spec = comparison.SCENARIOS[scenario]
+    if workload_file:
+        conversations = workload.load_file(workload_file, tokenizer, seed)
+    else:
+        conversations = comparison.build_workload(scenario, source, seed, max_prompt_tokens, turns)
+    for conv in conversations:
+        for turn in conv.turns:
+            turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
+            if limit_max_tokens:
+                turn.answer_tokens = min(turn.answer_tokens, limit_max_tokens)
+    name = workload_file.stem if workload_file else scenario
+    out_dir = out or Path("results") / f"bench-{name}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"workload {name}: {len(conversations)} conversations, "
+                  f"{sum(len(c.turns) for c in conversations)} turns")
+    if compare:
+        chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
+        unknown = [leg for leg in chosen if leg not in comparison.LEGS]
+        if unknown:
+            raise typer.BadParameter(f"unknown legs {unknown}; choose from {list(comparison.LEGS)}")
+        results = comparison.run_legs(model_dir, chosen, spec, conversations, seed, kv_cache_mb, out_dir / "logs",
+                                      console, source, sessions)
+    else:
+        results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
+                                               request_rate=request_rate, warmup_turns=warmup_turns,
+                                               max_turns=max_turns, seed=seed))}
+    summaries = [report.summarize(leg, result) for leg, result in results.items()]
+    ideal = comparison.ideal_speedup(results, model_dir) if compare else None
+    info = machine()
+    report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores)", console)
+    if ideal and "ideal_speedup" in ideal:
+        console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
+                      f"{ideal['ttft_on_ms']:.0f} ms (ON) = {ideal['measured_speedup']:.2f}x; ideal "
+                      f"{ideal['ideal_speedup']:.2f}x (full prefill {ideal['full_prefill_ms']:.0f} ms / (suffix "
+                      f"{ideal['suffix_prefill_ms']:.0f} ms + raw NIXL read {ideal['raw_nixl_read_ms']:.1f} ms)); "
+                      f"measured/ideal {ideal['fraction_of_ideal']:.0%}")
+    elif ideal:
+        console.print(f"ideal speedup: {ideal.get('note')}")
+    payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
+               "machine": info, "seed": seed, "summaries": summaries, "ideal_speedup": ideal,
+               "legs": {leg: result.to_json() for leg, result in results.items()}}
+    json_path = write_json(out_dir / "results.json", payload)
+    plots = report.plot_all(results, out_dir)
+    html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
+                                  {"machine": info, "ideal_speedup": ideal, "scenario": payload["description"]})
+    console.print(f"JSON: {json_path}\nplots: {', '.join(str(p) for p in plots.values())}\nHTML report: {html_path}")
+    failed = sum(s["failed"] for s in summaries)
+    raise typer.Exit(1 if failed else 0)
+
+
 if __name__ == "__main__":
     app()

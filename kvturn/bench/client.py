@@ -32,6 +32,8 @@ class RequestRecord:
     output_num_first_chunk_tokens: int | None = None
     approx_cached_percent: float | None = None
     reuse: str | None = None
+    prompt_tokens_computed_prefill: int | None = None
+    prompt_tokens_from_decode: int | None = None
     queue_ms: float | None = None
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
@@ -160,6 +162,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
     if kvturn:
         timing = kvturn.get("timing") or {}
         record.reuse = kvturn.get("reuse")
+        record.prompt_tokens_computed_prefill = kvturn.get("prompt_tokens_computed_prefill")
+        record.prompt_tokens_from_decode = kvturn.get("prompt_tokens_from_decode")
         record.queue_ms = timing.get("queue_ms")
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")

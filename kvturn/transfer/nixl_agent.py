@@ -16,6 +16,32 @@ from kvturn.engine.kv_cache import KVCache, KVLayout
 log = logging.getLogger(__name__)
 
 DONE, IN_PROGRESS, FAILED = "DONE", "PROC", "ERR"
+# NIXL's Python wrapper starts the UCX progress thread with a 0 us delay: it busy-spins a whole core,
+# which on a small machine halves the compute left for prefill. With a delay it waits on UCX's event
+# fd between polls (an idle worker then uses ~2% of a core) and reads run at the same speed.
+PROGRESS_THREAD_DELAY_US = 1000
+
+
+def create_nixl_agent(name: str):
+    """A NIXL agent (UCX backend) whose progress thread sleeps between events instead of spinning."""
+    from nixl_cu12 import _api
+
+    base = _api.nixlBind.nixlAgentConfig
+
+    class SleepingProgressConfig(base):
+        @property
+        def pthrDelay(self):
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value):
+            base.pthrDelay.__set__(self, PROGRESS_THREAD_DELAY_US)
+
+    _api.nixlBind.nixlAgentConfig = SleepingProgressConfig
+    try:
+        return _api.nixl_agent(name, _api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    finally:
+        _api.nixlBind.nixlAgentConfig = base
 
 
 class LayoutMismatch(ValueError):
@@ -44,14 +70,12 @@ def _runs(local_ids: list[int], remote_ids: list[int]):
 
 class KVTransferAgent:
     def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None):
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-
         self.engine_id = engine_id or f"kvturn-{uuid.uuid4().hex[:12]}"
         self.kv_cache = kv_cache
         self.layout = kv_cache.layout
         self.epochs = epochs
         self.epoch_scratch = np.zeros(len(epochs), dtype=np.int64)  # remote epochs land at the local block's index
-        self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=["UCX"]))
+        self.agent = create_nixl_agent(self.engine_id)
         self._registrations = [
             self.agent.register_memory([(kv_cache.base_address, kv_cache.nbytes, 0, "")], mem_type="DRAM"),
             self.agent.register_memory([(epochs.ctypes.data, epochs.nbytes, 0, "")], mem_type="DRAM"),

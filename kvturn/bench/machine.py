@@ -1,4 +1,4 @@
-"""What every benchmark prints and records: the machine it ran on."""
+"""What every benchmark records beside its numbers: the machine it ran on."""
 import json
 import os
 import platform

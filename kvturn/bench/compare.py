@@ -1,0 +1,136 @@
+"""`kvturn bench --compare`: the same workload against each deployment leg, launched locally in turn.
+
+Legs: colocated worker (prefix caching on); P/D without bidirectional transfer; P/D with it;
+each P/D leg with prefix caching on P on (production baseline) and off (cache-miss emulation,
+as in vLLM's published run). Scenarios add the cases where reuse cannot or should not help.
+"""
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+
+from kvturn.bench import client, workload
+from kvturn.bench.report import longest_request, ttft_at
+from kvturn.launch import LocalStack
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    name: str
+    mode: str
+    bidirectional: bool
+    prefix_caching_on_prefill: bool
+
+
+LEGS = {
+    "colocated": Leg("colocated", "colocated", False, True),
+    "pd/P-cache-on": Leg("pd/P-cache-on", "pd", False, True),
+    "pd/P-cache-off": Leg("pd/P-cache-off", "pd", False, False),
+    "bidir/P-cache-on": Leg("bidir/P-cache-on", "pd", True, True),
+    "bidir/P-cache-off": Leg("bidir/P-cache-off", "pd", True, False),
+}
+
+
+@dataclass(slots=True)
+class Scenario:
+    """A named workload plus the deployment settings it needs."""
+    name: str
+    description: str
+    sessions: int = 1
+    decode_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+
+
+SCENARIOS = {
+    "sweep": Scenario("sweep", "one session per first-turn length, fixed new and answer tokens per turn"),
+    "no-reuse": Scenario("no-reuse", "independent single-turn requests: nothing to reuse, retention is pure cost",
+                         sessions=2),
+    "resume-after-ttl": Scenario("resume-after-ttl", "the gap between turns outlasts the 4 s decode lease",
+                                 decode_args=["--decoder-kv-blocks-ttl-s", "4"]),
+    "edited-history": Scenario("edited-history", "from turn 3 the agent rewrites its first user message: only "
+                                                 "the prefix before the edit is reusable"),
+    "short-turns": Scenario("short-turns", "short prompts and answers: reusable tokens stay below the threshold"),
+    "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
+}
+
+
+def build_workload(scenario: str, source: workload.TextSource, seed: int, max_prompt_tokens: int,
+                   turns: int) -> list[workload.Conversation]:
+    if scenario == "sweep":
+        lengths = [n for n in (1024, 2048, 4096, 8192, 16384, 24576) if n <= max_prompt_tokens] or [max_prompt_tokens]
+        return workload.sweep(source, seed, lengths, turns=turns, new_tokens=150, answer_tokens=32)
+    if scenario == "no-reuse":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2000},
+                                      num_turns=1, new_tokens=150, answer_tokens=32)
+        return workload.synthetic(spec, source, seed, "single")
+    if scenario == "resume-after-ttl":
+        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=3, new_tokens=150,
+                                      answer_tokens=32, gap_s=6.0)
+        return workload.synthetic(spec, source, seed, "resume")
+    if scenario == "edited-history":
+        conversations = workload.synthetic(workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=turns,
+                                                                  new_tokens=150, answer_tokens=32), source, seed, "edit")
+        for conv in conversations:
+            for turn in conv.turns[2:3]:
+                turn.edit_history = True
+        return conversations
+    if scenario == "short-turns":
+        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=24, num_turns=turns, new_tokens=12, answer_tokens=8)
+        return workload.synthetic(spec, source, seed, "short")
+    if scenario == "concurrent":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2500},
+                                      num_turns=turns, new_tokens=150, answer_tokens=32)
+        return workload.synthetic(spec, source, seed, "concurrent")
+    raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")
+
+
+def warm_up(url: str, source: workload.TextSource) -> None:
+    """First requests pay one-time costs (NIXL handshake, allocator growth); keep them out of the numbers."""
+    spec = workload.SyntheticSpec(num_sessions=1, system_tokens=600, num_turns=2, new_tokens=64, answer_tokens=8)
+    asyncio.run(client.run(url, workload.synthetic(spec, source, 999_999, "warmup"), sessions=1, show_progress=False))
+
+
+def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
+             log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None) -> dict:
+    results = {}
+    for name in legs:
+        leg = LEGS[name]
+        console.print(f"[bold]{name}[/bold]: starting {leg.mode} stack")
+        stack = LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
+                           prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
+                           worker_args=scenario.worker_args, decode_args=scenario.decode_args,
+                           log_dir=log_dir / name.replace("/", "_"))
+        with stack:
+            warm_up(stack.url, source)
+            results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
+                                                   seed=seed))
+        failed = sum(1 for r in results[name].requests if r.error)
+        console.print(f"  {len(results[name].requests)} requests, {failed} failed, {results[name].runtime_s:.1f} s")
+    return results
+
+
+def ideal_speedup(results: dict, model_dir: str) -> dict | None:
+    """Full prefill of the longest prompt / (suffix-only prefill + raw NIXL read of its KV), measured in this run,
+    and how close the measured TTFT(OFF) / TTFT(ON) came to it (prefix caching off on P in both)."""
+    off, on = results.get("pd/P-cache-off"), results.get("bidir/P-cache-off")
+    if off is None or on is None:
+        return None
+    longest = longest_request(off)
+    if longest is None:
+        return None
+    on_row = ttft_at(on, longest.conversation_id, longest.turn)
+    if on_row is None or not on_row["bytes_d_to_p"]:
+        return {"note": "the ON leg did not reuse KV at the longest prompt", "on": on_row}
+    from kvturn.transfer.bandwidth import ReadBench
+    nbytes = on_row["bytes_d_to_p"]
+    with ReadBench(model_dir, nbytes // 2**20 + 2) as bench:
+        raw_read_ms = bench.raw_read_s(nbytes, repeats=7) * 1e3
+    full_ms, suffix_ms = longest.prefill_compute_ms, on_row["prefill_compute_ms"]
+    ideal = full_ms / (suffix_ms + raw_read_ms)
+    measured = longest.ttft_ms / on_row["ttft_ms"]
+    return {"prompt_tokens": longest.input_num_tokens, "conversation_id": longest.conversation_id,
+            "turn": longest.turn, "full_prefill_ms": full_ms, "suffix_prefill_ms": suffix_ms,
+            "kv_bytes": nbytes, "raw_nixl_read_ms": raw_read_ms, "ideal_speedup": ideal,
+            "ttft_off_ms": longest.ttft_ms, "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured,
+            "fraction_of_ideal": measured / ideal}
