@@ -36,3 +36,13 @@ def test_tokenizer_round_trips_text_and_renders_the_chat_template(tiny_model_dir
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.encode("<|im_end|>") == [tok.eos_token_id]
+
+
+def test_segment_cached_encoding_equals_whole_text_encoding(tiny_model_dir):
+    tok = ChatTokenizer(tiny_model_dir)
+    history = [{"role": "system", "content": "You are terse.  " * 40}]
+    for turn in range(4):
+        history.append({"role": "user", "content": f" step {turn}:\n\tdef f(x):  return x ** {turn}  " * 20})
+        rendered = tok.apply_chat_template(history)
+        assert tok.encode(rendered) == tok.tokenizer.encode(rendered, add_special_tokens=False).ids
+        history.append({"role": "assistant", "content": "ok<|im_end|>and then " * 15})

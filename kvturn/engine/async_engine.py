@@ -1,6 +1,7 @@
 """Runs the engine loop on its own thread and streams outputs to asyncio callers."""
 import asyncio
 import threading
+import time
 from typing import AsyncIterator
 
 from kvturn.engine.llm_engine import LLMEngine, RequestOutput
@@ -50,6 +51,7 @@ class AsyncEngine:
             raise RuntimeError("engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[seq.request_id] = queue
+        seq.timing.submitted = time.perf_counter()
         self.engine.call_soon(lambda: self.engine.add_request(seq))
         finished = False
         try:

@@ -33,6 +33,9 @@ class Timing:
     arrival: float = field(default_factory=time.perf_counter)
     first_scheduled: float | None = None
     first_token: float | None = None
+    tokenize_s: float = 0.0
+    side_channel_s: float = 0.0  # handshake and lease lookup at the peer, before the engine sees the request
+    submitted: float | None = None
     kv_read_s: float = 0.0
     prefill_compute_s: float = 0.0
     kv_read_bytes: int = 0

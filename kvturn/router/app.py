@@ -162,6 +162,7 @@ def merged_kvturn(key: str | None, prefill: dict, prefill_url: str, decode: dict
             "decode_ttft_ms": d_timing.get("ttft_ms"),
         },
         "decode": decode,
+        "prefill_timing": p_timing,
     }
 
 

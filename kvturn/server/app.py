@@ -126,6 +126,7 @@ class Worker:
 
     async def prepare(self, body, request: Request, request_id: str, arrival: float) -> tuple[Sequence, kv_params.KVPlan]:
         prompt = self.prompt_ids(body)
+        tokenized = time.perf_counter()
         params = self.sampling_params(body, len(prompt))
         conversation_key = body.conversation_id or request.headers.get(CONVERSATION_HEADER)
         try:
@@ -146,12 +147,14 @@ class Worker:
         elif self.config.bidirectional and conversation_key:
             retain = RetainSpec(self.config.engine.decoder_kv_blocks_ttl_s, conversation_key,
                                 release_after_read=False)
-        remote, declined = None, None
+        remote, declined, side_channel_s = None, None, 0.0
         if plan.remote is not None:
             if transfer is None or (plan.prefill_for_remote_decode and not self.config.bidirectional):
                 declined = reuse_policy.PEER_UNREACHABLE if transfer is None else None
             else:
+                resolve_started = time.perf_counter()
                 resolved = await self.resolve_remote(plan.remote)
+                side_channel_s = time.perf_counter() - resolve_started
                 if isinstance(resolved, str):
                     declined = resolved
                 else:
@@ -160,6 +163,8 @@ class Worker:
                         remote.min_reuse_tokens = 1  # P->D: P already computed these; any block D lacks is read
         seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
         seq.timing.arrival = arrival
+        seq.timing.tokenize_s = tokenized - arrival
+        seq.timing.side_channel_s = side_channel_s
         if declined:
             seq.reuse_outcome = declined
             self.engine.call_soon(lambda: self.engine.stats.reuse_declines.update([declined]))
@@ -187,6 +192,9 @@ class Worker:
                 "kv_read_ms": t.kv_read_s * 1e3,
                 "prefill_compute_ms": t.prefill_compute_s * 1e3,
                 "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
+                "tokenize_ms": t.tokenize_s * 1e3,
+                "side_channel_ms": t.side_channel_s * 1e3,
+                "engine_wait_ms": ((t.first_scheduled or t.arrival) - (t.submitted or t.arrival)) * 1e3,
             },
         }
 
@@ -308,7 +316,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         kv = worker.response_kv_params(seq)
         if kv is not None:
             body["kv_transfer_params"] = kv
-        return body
+        return JSONResponse(body)  # plain json.dumps: FastAPI's encoder walks every block id in Python
 
     async def stream(seq: Sequence, plan, body, base: dict, chat: bool):
         chunk_base = {**base, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -374,7 +382,7 @@ def side_channel(app: FastAPI, worker: Worker) -> None:
 
     @app.get("/kv/agent")
     async def agent(request: Request):
-        return refused(request) or worker.engine.transfer.local_info()
+        return refused(request) or JSONResponse(worker.engine.transfer.local_info())
 
     @app.post("/kv/lease/acquire")
     async def acquire(request: Request):
@@ -386,7 +394,7 @@ def side_channel(app: FastAPI, worker: Worker) -> None:
         lease = worker.engine.leases.lookup(*parsed)
         if lease is None:
             return error_response(404, "no live lease with that handle for that key")
-        return lease.to_public()
+        return JSONResponse(lease.to_public())
 
     @app.post("/kv/lease/release")
     async def release(request: Request):
