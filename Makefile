@@ -19,8 +19,9 @@ install: $(STAMP)
 test: install
 	$(PY) -m pytest -q tests
 
+# Five deployment legs on the embedded model, prompts swept to 8k tokens; ~3 min on 2 cores.
 demo: install
-	$(PY) benchmarks/demo_chat.py
+	$(PY) -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 8192 --out results/demo
 
 bench-engine: install
 	$(PY) benchmarks/engine.py

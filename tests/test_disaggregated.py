@@ -1,5 +1,8 @@
 """P/D disaggregation and bidirectional KV transfer: real worker processes, real NIXL reads on loopback."""
+import json
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -139,3 +142,27 @@ def test_decode_killed_between_turns_falls_back_to_recompute(stacks, reference):
     assert result["kvturn"]["decode_worker"] != stack.urls[holder]
     expected = send(stacks["colocated"].url, messages, None, stream=False)
     assert result["text"] == expected["text"]
+
+
+def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
+    """`kvturn bench --url` against a live stack: vLLM-named stats, kvturn split, report files."""
+    workload_file = tmp_path / "agent.json"
+    workload_file.write_text(json.dumps({"filetype": "kvturn_synthetic", "num_sessions": 2, "system_tokens": 300,
+                                         "num_turns": 3, "new_tokens": 40, "answer_tokens": 8}))
+    out = tmp_path / "report"
+    run = subprocess.run([sys.executable, "-m", "kvturn.cli", "bench", "--url", stacks["bidir"].url, "--workload",
+                          str(workload_file), "--sessions", "2", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    [leg] = results["legs"].values()
+    requests = leg["requests"]
+    assert len(requests) == 6 and not any(r["error"] for r in requests)
+    for r in requests:
+        assert r["ttft_ms"] > 0 and r["latency_ms"] >= r["ttft_ms"] and r["output_num_tokens"] == 8
+        assert r["input_num_tokens"] > 300 and r["conversation_id"].startswith("session-")
+    later = [r for r in requests if r["turn"] > 0]
+    assert all(r["reuse"] == "reused" and r["bytes_d_to_p"] > 0 for r in later)
+    assert max(b for _, b in leg["retained_kv"]) > 0
+    for name in ("report.html", "ttft_vs_prompt.png", "prefill_split.png", "session_time.png", "retained_kv.png"):
+        assert (out / name).stat().st_size > 1000, name

@@ -1,0 +1,102 @@
+"""Workload generation and parsing for the multi-turn benchmark."""
+import json
+
+import numpy as np
+import pytest
+
+from kvturn.bench import workload
+from kvturn.bench.client import RequestRecord, RunResult, SessionRecord
+from kvturn.bench.distributions import Distribution
+from kvturn.bench.report import summarize
+from kvturn.model.tokenizer import ChatTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return ChatTokenizer(tiny_model_dir)
+
+
+@pytest.mark.parametrize("spec", [
+    {"distribution": "constant", "value": 7},
+    {"distribution": "uniform", "min": 2, "max": 9},
+    {"distribution": "lognormal", "average": 100, "median_ratio": 0.8, "max": 300},
+    {"distribution": "lognormal", "mean": 3.0, "sigma": 0.5},
+    {"distribution": "zipf", "alpha": 1.5, "max": 40},
+    {"distribution": "poisson", "alpha": 10, "max": 30},
+])
+def test_distributions_are_seeded_and_bounded(spec):
+    draw = lambda: [Distribution(spec).sample_int(np.random.default_rng(3), 1) for _ in range(50)]  # noqa: E731
+    values = draw()
+    assert values == draw()
+    assert min(values) >= 1 and max(values) <= spec.get("max", spec.get("value", 10**9))
+
+
+def test_lognormal_average_is_roughly_the_requested_mean():
+    rng = np.random.default_rng(0)
+    dist = Distribution({"distribution": "lognormal", "average": 200, "median_ratio": 0.7})
+    assert 170 < np.mean([dist.sample(rng) for _ in range(20000)]) < 230
+
+
+@pytest.mark.parametrize("spec", [{"distribution": "gauss"}, {"distribution": "uniform", "min": 5},
+                                  {"distribution": "zipf", "alpha": 0.5}, "ten"])
+def test_bad_distributions_are_refused_with_a_clear_error(spec):
+    with pytest.raises(ValueError):
+        Distribution(spec, "num_tokens")
+
+
+def test_synthetic_sessions_have_the_requested_shape(tokenizer):
+    source = workload.TextSource(tokenizer)
+    spec = workload.SyntheticSpec(num_sessions=3, system_tokens=400, num_turns=4, new_tokens=50, answer_tokens=8)
+    conversations = workload.synthetic(spec, source, seed=1)
+    assert len(conversations) == 3 and all(len(c.turns) == 4 for c in conversations)
+    assert all(abs(len(tokenizer.encode(c.system)) - 400) < 40 for c in conversations)
+    assert [c.system for c in conversations] == [c.system for c in workload.synthetic(spec, source, seed=1)]
+
+
+def test_vllm_conversation_list_is_replayed_turn_by_turn(tokenizer, tmp_path):
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps([{"id": "a", "messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there friend"}, {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "done"}]}]))
+    [conv] = workload.load_file(path, tokenizer, seed=0)
+    assert conv.conversation_id == "a" and conv.system == "be brief"
+    assert [t.user for t in conv.turns] == ["hi", "and?"]
+    assert conv.turns[0].answer_tokens == len(tokenizer.encode("hello there friend"))
+
+
+def test_vllm_generate_conversations_config(tokenizer, tmp_path):
+    path = tmp_path / "generate.json"
+    path.write_text(json.dumps({
+        "filetype": "generate_conversations", "num_conversations": 4, "text_files": ["missing.txt"],
+        "prompt_input": {"num_turns": {"distribution": "uniform", "min": 4, "max": 6},
+                         "common_prefix_num_tokens": {"distribution": "constant", "value": 100},
+                         "prefix_num_tokens": {"distribution": "lognormal", "average": 200, "max": 400},
+                         "num_tokens": {"distribution": "uniform", "min": 20, "max": 40}},
+        "prompt_output": {"num_tokens": {"distribution": "uniform", "min": 5, "max": 10}}}))
+    conversations = workload.load_file(path, tokenizer, seed=0)
+    assert len(conversations) == 4
+    assert all(2 <= len(c.turns) <= 3 for c in conversations)  # num_turns counts user + assistant messages
+    assert all(5 <= t.answer_tokens <= 10 for c in conversations for t in c.turns)
+    common = conversations[0].system[:200]
+    assert all(c.system.startswith(common) for c in conversations)
+
+
+def test_unknown_workload_file_is_refused(tokenizer, tmp_path):
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"filetype": "something"}))
+    with pytest.raises(ValueError):
+        workload.load_file(path, tokenizer, seed=0)
+
+
+def test_summary_leaves_out_warmup_and_counts_failures():
+    result = RunResult(runtime_s=2.0)
+    for i in range(6):
+        result.requests.append(RequestRecord("c", 0, i, 2 * i + 1, 0.0, warmup=i == 0, ttft_ms=10.0 * (i + 1),
+                                             latency_ms=50.0, reuse="reused" if i > 2 else None,
+                                             error="HTTP 500" if i == 5 else None))
+    result.sessions.append(SessionRecord("c", 0, 0.0, duration_s=1.5, turns_completed=5))
+    summary = summarize("leg", result)
+    assert summary["requests"] == 5 and summary["failed"] == 1
+    assert summary["ttft_ms"]["p50"] == 35.0  # turns 1..4: 20, 30, 40, 50 ms
+    assert summary["reuse_outcomes"] == {"none": 2, "reused": 2}
