@@ -57,6 +57,7 @@ def worker(
     cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET",
                                                  help="shared secret peers must present on the side channel"),
     advertise_host: Optional[str] = typer.Option(None, help="address peers use to reach this worker"),
+    side_channel_timeout_s: float = typer.Option(5.0, help="give up on a peer's side channel after this long, s"),
     log_level: str = typer.Option("info"),
 ):
     """Run one worker: engine + NIXL agent + OpenAI-compatible API."""
@@ -76,7 +77,8 @@ def worker(
                           retained_kv_budget_mb=retained_kv_budget_mb)
     config = WorkerConfig(model_dir=resolve_model(model), role=role, host=host, port=port,
                           advertise_host=advertise_host, served_model_name=served_model_name,
-                          bidirectional=bidirectional, cluster_secret=cluster_secret, engine=engine)
+                          bidirectional=bidirectional, cluster_secret=cluster_secret,
+                          side_channel_timeout_s=side_channel_timeout_s, engine=engine)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
 
@@ -91,6 +93,8 @@ def router(
     state: Optional[Path] = typer.Option(None, "--state", help="SQLite file that keeps the conversation table "
                                                                "across restarts"),
     max_in_flight_per_decode: int = typer.Option(32, help="a conversation's decode worker is skipped above this load"),
+    upstream_timeout_s: float = typer.Option(120.0, help="give up on a worker that sends nothing for this long, s"),
+    health_interval_s: float = typer.Option(2.0, help="how often dead workers are probed, s"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -99,7 +103,8 @@ def router(
     from kvturn.router.app import RouterConfig, create_app
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = RouterConfig(prefill_urls=prefill, decode_urls=decode, conversation_ttl_s=conversation_ttl_s,
-                          state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode)
+                          state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode,
+                          request_timeout_s=upstream_timeout_s, health_interval_s=health_interval_s)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
 

@@ -67,6 +67,7 @@ class LocalStack:
         self.log_dir, self.env = log_dir, env
         self.processes: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
+        self.args: dict[str, list[str]] = {}
 
     def _log(self, name: str) -> Path | None:
         if self.log_dir is None:
@@ -80,6 +81,7 @@ class LocalStack:
                 "--kv-cache-mb", str(self.kv_cache_mb), *self.worker_args, *extra]
         if self.bidirectional and role != "both":
             args.append("--bidirectional")
+        self.args[name] = args
         self.processes[name] = start(args, self._log(name), self.env)
         self.urls[name] = f"http://127.0.0.1:{port}"
 
@@ -105,13 +107,21 @@ class LocalStack:
             args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
             for i in range(self.num_decode):
                 args += ["--decode", self.urls[f"decode{i}"]]
-            self.processes["router"] = start([*args, *self.router_args], self._log("router"), self.env)
+            self.args["router"] = [*args, *self.router_args]
+            self.processes["router"] = start(self.args["router"], self._log("router"), self.env)
             self.urls["router"] = f"http://127.0.0.1:{port}"
             wait_healthy(self.urls["router"], self.processes["router"])
 
     @property
     def url(self) -> str:
         return self.urls["worker" if self.mode == "colocated" else "router"]
+
+    def restart(self, name: str) -> None:
+        """Start a stopped process again on the same port with the same arguments."""
+        if self.processes[name].poll() is None:
+            stop(self.processes[name])
+        self.processes[name] = start(self.args[name], self._log(name), self.env)
+        wait_healthy(self.urls[name], self.processes[name])
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.processes[name].send_signal(sig)

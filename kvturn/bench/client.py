@@ -175,8 +175,10 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
 
 async def run(url: str, conversations: list[Conversation], sessions: int = 4, request_rate: float = 0.0,
               warmup_turns: int = 0, max_turns: int | None = None, seed: int = 0, ignore_eos: bool = True,
-              show_progress: bool = True, request_timeout_s: float = 600.0) -> RunResult:
-    """Replay every conversation, at most `sessions` at a time; turns of one conversation run in order."""
+              show_progress: bool = True, request_timeout_s: float = 600.0,
+              duration_s: float | None = None) -> RunResult:
+    """Replay every conversation, at most `sessions` at a time; turns of one conversation run in order.
+    With `duration_s`, no turn starts after that many seconds (in-flight turns finish)."""
     url = url.rstrip("/")
     result = RunResult()
     limiter = RateLimiter(request_rate, seed)
@@ -188,18 +190,21 @@ async def run(url: str, conversations: list[Conversation], sessions: int = 4, re
         for conv in conversations:
             queue.put_nowait(conv)
         start = time.perf_counter()
+        out_of_time = lambda: duration_s is not None and time.perf_counter() - start > duration_s  # noqa: E731
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_retained_kv(client, metric_urls, start, result.retained_kv, stop))
         with Progress(disable=not show_progress, transient=True) as progress:
             task = progress.add_task("turns", total=total_turns)
 
             async def session_worker(client_id: int):
-                while not queue.empty():
+                while not queue.empty() and not out_of_time():
                     conv = queue.get_nowait()
                     session = SessionRecord(conv.conversation_id, client_id, time.perf_counter() - start)
                     result.sessions.append(session)
                     messages = [{"role": "system", "content": conv.system}] if conv.system else []
                     for index, turn in enumerate(conv.turns[:max_turns or len(conv.turns)]):
+                        if out_of_time():
+                            break
                         if turn.gap_s > 0 and index > 0:
                             await asyncio.sleep(turn.gap_s)
                         if turn.edit_history and len(messages) > 2:

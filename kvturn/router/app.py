@@ -37,7 +37,7 @@ class RouterConfig:
     state_path: str | None = None
     max_in_flight_per_decode: int = 32
     health_interval_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 120.0  # per read: a worker silent this long is given up on
 
 
 class RouterMetrics:

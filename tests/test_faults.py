@@ -1,0 +1,169 @@
+"""Failure handling with real processes: killed, stopped and restarted workers, secrets, shutdown."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from chat import conversation, metric, send, user_message
+from kvturn.config import EngineConfig
+from kvturn.engine.llm_engine import LLMEngine
+from kvturn.engine.sampling import SamplingParams
+from kvturn.engine.sequence import RemoteBlocks, Sequence
+from kvturn.launch import LocalStack
+from kvturn.model.loader import load_model
+from kvturn.transfer.bandwidth import make_side
+
+SECRET = "test-cluster-secret"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    """Router with SQLite state + 1 P + 2 D, all sharing a cluster secret."""
+    logs = tmp_path_factory.mktemp("fault-logs")
+    state = tmp_path_factory.mktemp("state") / "router.sqlite"
+    built = LocalStack(tiny_model_dir, num_decode=2, kv_cache_mb=64, log_dir=logs, prefix_caching_on_prefill=False,
+                       worker_args=["--side-channel-timeout-s", "2"], env={"KVTURN_CLUSTER_SECRET": SECRET},
+                       router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1"])
+    with built:
+        yield built
+
+
+def holder(stack, result) -> str:
+    return next(name for name, url in stack.urls.items() if url == result["kvturn"]["decode_worker"])
+
+
+def test_side_channel_refuses_a_wrong_or_missing_secret_and_counts_it(stack):
+    url = stack.urls["prefill"]
+    before = metric(url, "kvturn_side_channel_refused_total")
+    assert httpx.get(f"{url}/kv/agent").status_code == 403
+    assert httpx.get(f"{url}/kv/agent", headers={"X-Kvturn-Cluster-Secret": "guess"}).status_code == 403
+    assert httpx.post(f"{url}/kv/lease/acquire", json={"handle": "h", "binding_key": "k"}).status_code == 403
+    assert metric(url, "kvturn_side_channel_refused_total") - before == 3
+    assert httpx.get(f"{url}/kv/agent", headers={"X-Kvturn-Cluster-Secret": SECRET}).status_code == 200
+    _, results = conversation(stack.url, 2, conversation_id="secret-ok")  # peers with the secret still reuse
+    assert results[1]["kvturn"]["reuse"] == "reused"
+
+
+def test_router_restart_keeps_the_conversation_table(stack):
+    messages, results = conversation(stack.url, 2, conversation_id="restart")
+    stack.restart("router")
+    messages.append(user_message(2))
+    result = send(stack.url, messages, "restart", stream=False)
+    assert result["kvturn"]["reuse"] == "reused" and result["kvturn"]["prompt_tokens_from_decode"] > 0
+
+
+def test_decode_killed_mid_stream_gives_a_clean_error_and_the_next_turn_recomputes(stack, tiny_model_dir):
+    messages, results = conversation(stack.url, 1, conversation_id="midstream")
+    victim = holder(stack, results[0])
+    messages.append(user_message(1))
+    body = {"messages": messages, "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True,
+            "conversation_id": "midstream"}
+    events = []
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and '"content"' in line:
+                break
+        stack.kill(victim, signal.SIGKILL)
+        events = [line for line in lines if line.startswith("data: ")]
+    errors = [json.loads(e[6:]) for e in events if e.startswith("data: {") and '"error"' in e]
+    assert errors and errors[0]["error"]["code"] == 503
+    assert "data: [DONE]" not in events
+    messages.append({"role": "assistant", "content": "(interrupted)"})
+    messages.append(user_message(2))
+    result = send(stack.url, messages, "midstream", stream=False)
+    assert result["kvturn"]["reuse"] != "reused" and result["kvturn"]["decode_worker"] != stack.urls[victim]
+    stack.restart(victim)
+
+
+def test_stopped_decode_worker_makes_prefill_recompute(stack):
+    messages, results = conversation(stack.url, 1, conversation_id="sigstop")
+    victim = holder(stack, results[0])
+    stack.kill(victim, signal.SIGSTOP)
+    try:
+        messages.append(user_message(1))
+        result = send(stack.url, messages, "sigstop", stream=False)
+        assert result["kvturn"]["reuse"] == "peer_unreachable"
+        assert result["kvturn"]["decode_worker"] != stack.urls[victim]
+    finally:
+        stack.kill(victim, signal.SIGCONT)
+
+
+def test_prefill_killed_gives_503_until_it_is_back(stack):
+    stack.kill("prefill", signal.SIGKILL)
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": [user_message(0)], "max_tokens": 4},
+                          timeout=30)
+    assert response.status_code == 503 and response.json()["error"]["code"] == 503
+    stack.restart("prefill")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        response = httpx.post(f"{stack.url}/v1/chat/completions",
+                              json={"messages": [user_message(0)], "max_tokens": 4}, timeout=30)
+        if response.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert response.status_code == 200
+
+
+def test_sigterm_drains_the_in_flight_stream(tiny_model_dir, tmp_path):
+    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=32, log_dir=tmp_path) as single:
+        body = {"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{single.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(lines)
+            single.processes["worker"].send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert single.processes["worker"].wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
+    """NIXL READ from a SIGSTOPped peer: the engine gives up after kv_read_timeout_s, keeps the target blocks
+    out of use until NIXL lets go of them, and computes the prompt itself, with the same output."""
+    remote = subprocess.Popen([sys.executable, "-m", "kvturn.transfer.bandwidth", "--serve", "64",
+                               str(tiny_model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("HELLO "):
+            line = remote.stdout.readline()
+            assert line, "remote side exited"
+        info = json.loads(line[6:])["info"]
+        outputs = []
+        engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16, kv_read_timeout_s=1.0),
+                           emit=lambda out: outputs.extend(out.new_token_ids), detokenize=lambda ids: "",
+                           eos_token_ids=set(), with_transfer=True)
+        engine.transfer.add_peer(info)
+        os.kill(remote.pid, signal.SIGSTOP)
+        prompt = torch.randint(3, 4000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        from kvturn.engine.block_manager import block_hashes
+        hashes = block_hashes(prompt, 16)
+        remote_blocks = RemoteBlocks(info["engine_id"], list(range(len(hashes))), hashes, [0] * len(hashes),
+                                     time.time() + 60, "handle")
+        engine.add_request(Sequence("hung", prompt, params, remote=remote_blocks))
+        started = time.monotonic()
+        while "hung" in engine.sequences and time.monotonic() - started < 30:
+            if not engine.step():
+                time.sleep(0.005)
+        assert engine.stats.reuse_declines["peer_unreachable"] == 1
+        assert 1.0 <= time.monotonic() - started < 30 and len(outputs) == 8
+        reference = []
+        plain = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16),
+                          emit=lambda out: reference.extend(out.new_token_ids), detokenize=lambda ids: "",
+                          eos_token_ids=set())
+        plain.add_request(Sequence("plain", prompt, params))
+        while plain.has_work():
+            plain.step()
+        assert outputs == reference
+        assert engine.abandoned, "the in-flight read's blocks must stay held while NIXL may still write them"
+    finally:
+        os.kill(remote.pid, signal.SIGCONT)
+        remote.stdin.close()
+        remote.wait(timeout=30)
