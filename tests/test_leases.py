@@ -1,0 +1,58 @@
+import time
+
+from kvturn.engine.block_manager import BlockManager
+from kvturn.transfer.leases import LeaseTable
+
+
+def table(blocks=32, budget=None):
+    bm = BlockManager(blocks, 16)
+    return bm, LeaseTable(bm, budget)
+
+
+def retain(bm, leases, n, key, ttl=60.0, after_read=False):
+    ids = [bm.allocate_new() for _ in range(n)]
+    lease = leases.retain(ids, list(range(n)), n * 16, key, ttl, after_read)
+    bm.release_all(ids)  # the request finished; only the lease holds them now
+    return lease
+
+
+def test_a_lease_is_found_only_with_its_key():
+    bm, leases = table()
+    lease = retain(bm, leases, 3, "conv-a")
+    assert leases.lookup(lease.handle, "conv-a") is lease
+    assert leases.lookup(lease.handle, "conv-b") is None
+    assert leases.lookup("made-up", "conv-a") is None
+
+
+def test_a_lease_can_be_read_many_times_until_it_expires():
+    bm, leases = table()
+    lease = retain(bm, leases, 2, "c", ttl=0.2)
+    assert leases.lookup(lease.handle, "c") and leases.lookup(lease.handle, "c")
+    time.sleep(0.25)
+    assert leases.lookup(lease.handle, "c") is None
+    assert leases.expire() == 1 and bm.num_free_blocks == 32
+
+
+def test_a_newer_turn_supersedes_the_older_lease():
+    bm, leases = table()
+    old = retain(bm, leases, 2, "c")
+    new = retain(bm, leases, 3, "c")
+    assert leases.lookup(old.handle, "c") is None and leases.lookup(new.handle, "c") is new
+    assert leases.counts["superseded"] == 1 and leases.retained_blocks == 3
+
+
+def test_retention_budget_reclaims_the_oldest_leases_first():
+    bm, leases = table(budget=5)
+    first, second = retain(bm, leases, 2, "a"), retain(bm, leases, 2, "b")
+    third = retain(bm, leases, 3, "c")
+    assert leases.retained_blocks <= 5
+    assert leases.lookup(first.handle, "a") is None
+    assert leases.lookup(second.handle, "b") and leases.lookup(third.handle, "c")
+    assert leases.counts["reclaimed"] == 1
+
+
+def test_release_needs_the_binding_key():
+    bm, leases = table()
+    lease = retain(bm, leases, 2, "p-request-1", after_read=True)
+    assert not leases.release(lease.handle, "someone-else")
+    assert leases.release(lease.handle, "p-request-1") and bm.num_free_blocks == 32
