@@ -78,9 +78,12 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
     console.print(table)
 
 
-def _buckets(result: RunResult):
+def _buckets(result: RunResult, later_turns: bool | None = None):
+    """Requests by prompt-length bucket; later_turns True/False keeps only turns after the first / first turns."""
     rows = {}
     for r in result.requests:
+        if later_turns is not None and (r.turn > 0) != later_turns:
+            continue
         if r.error is None and not r.warmup and r.input_num_tokens:
             rows.setdefault(r.input_num_tokens // BUCKET_TOKENS, []).append(r)
     return dict(sorted(rows.items()))
@@ -94,21 +97,24 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, result in results.items():
-        buckets = _buckets(result)
-        xs = [(b + 0.5) * BUCKET_TOKENS for b in buckets]
-        ax.plot(xs, [np.mean([r.ttft_ms for r in rs]) for rs in buckets.values()], marker="o", label=name)
-    ax.set(xlabel="prompt length (tokens, 1k buckets)", ylabel="mean TTFT (ms)", title="TTFT against prompt length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, later, title in ((axes[0], True, "later turns (a history to reuse)"), (axes[1], False, "first turns")):
+        for name, result in results.items():
+            buckets = _buckets(result, later)
+            xs = [(b + 0.5) * BUCKET_TOKENS for b in buckets]
+            ax.plot(xs, [np.mean([r.ttft_ms for r in rs]) for rs in buckets.values()], marker="o", label=name)
+        ax.set(xlabel="prompt length (tokens, 1k buckets)", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean TTFT (ms)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("TTFT against prompt length")
     paths["ttft_vs_prompt"] = _save(fig, out_dir / "ttft_vs_prompt.png")
 
     fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 4), sharey=True, squeeze=False)
     parts = [("prefill compute", "prefill_compute_ms", "#4c72b0"), ("D->P read", "d_to_p_read_ms", "#dd8452"),
              ("P->D read", "p_to_d_read_ms", "#55a868")]
     for ax, (name, result) in zip(axes[0], results.items()):
-        buckets = _buckets(result)
+        buckets = _buckets(result, later_turns=True)
         labels = [f"{b}k" for b in buckets]
         bottom = np.zeros(len(buckets))
         for label, key, color in parts:
@@ -120,7 +126,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
         ax.tick_params(axis="x", labelsize=7)
     axes[0][0].set_ylabel("ms (mean per request)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle("Prefill time: compute and transfer")
+    fig.suptitle("Prefill time of later turns: compute and transfer")
     paths["prefill_split"] = _save(fig, out_dir / "prefill_split.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
