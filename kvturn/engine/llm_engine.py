@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvturn.config import EngineConfig
-from kvturn.engine.block_manager import BlockManager, chain_hash
+from kvturn.engine.block_manager import BlockManager, block_hashes, chain_hash
 from kvturn.engine.kv_cache import KVCache
 from kvturn.engine.model_runner import ModelRunner
 from kvturn.engine.scheduler import Scheduler
@@ -44,6 +44,7 @@ class PendingLoad:
     started: float
     reading_epochs: bool = False
     block_range: tuple[int, int] = (0, 0)
+    whole_prompt: bool = False  # the prompt's every block, then P's first token
 
 
 @dataclass(slots=True)
@@ -179,11 +180,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         if seq.retain is not None:
-            full = seq.num_computed_tokens // self.block_size
-            lease = self.leases.retain(seq.block_table[:full], seq.block_hashes[:full], full * self.block_size,
-                                       seq.retain.conversation_key, seq.retain.ttl_s, seq.retain.release_after_read)
-            if lease is not None:
-                seq.retained = lease.to_public()
+            self._retain(seq)
         self.scheduler.remove(seq)
         self.sequences.pop(seq.request_id, None)
         stats = self.stats
@@ -192,6 +189,25 @@ class LLMEngine:
         stats.prompt_tokens_cached += seq.num_cached_tokens
         stats.prompt_tokens_remote += seq.num_remote_tokens
         stats.prompt_tokens_computed += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens
+
+    def _retain(self, seq: Sequence) -> None:
+        """Lease the finished sequence's blocks. D keeps its full blocks for the next turn's prefill; P pins
+        every prompt block, the partial last one included (hashed over its tokens), with its sampled token,
+        so D can start decoding without recomputing the prompt's tail."""
+        full = seq.num_computed_tokens // self.block_size
+        blocks, hashes, tokens = seq.block_table[:full], seq.block_hashes[:full], full * self.block_size
+        first_token = None
+        if seq.retain.release_after_read:
+            first_token = seq.output_token_ids[0] if seq.num_output_tokens else None
+            tail = seq.token_ids[full * self.block_size:seq.num_computed_tokens]
+            if tail:
+                blocks = seq.block_table[:full + 1]
+                hashes = hashes + [chain_hash(hashes[-1] if hashes else 0, tail)]
+                tokens = seq.num_computed_tokens
+        lease = self.leases.retain(blocks, hashes, tokens, seq.retain.conversation_key, seq.retain.ttl_s,
+                                   seq.retain.release_after_read, first_token)
+        if lease is not None:
+            seq.retained = lease.to_public()
 
     def _publish_full_blocks(self, seq: Sequence) -> None:
         """Give each newly completed block its chained hash so the prefix cache and leases can name it."""
@@ -210,6 +226,8 @@ class LLMEngine:
         if seq.remote is None:
             return
         remote, local_hit = seq.remote, seq.num_published_blocks
+        if remote.first_token_id is not None and self._start_whole_prompt_load(seq, local_hit):
+            return
         threshold = self.config.kv_recompute_threshold_tokens if remote.min_reuse_tokens is None \
             else remote.min_reuse_tokens
         decision = reuse_policy.decide_reuse(prompt_hashes, remote.block_hashes, local_hit, self.block_size,
@@ -232,6 +250,33 @@ class LLMEngine:
         seq.status = Status.LOADING_KV
         self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(),
                                       block_range=(first, last)))
+
+    def _start_whole_prompt_load(self, seq: Sequence, local_hit: int) -> bool:
+        """P->D with P's first token: read every prompt block D lacks, the partial last one included, and skip
+        computing the prompt's tail. Only when all block hashes match and sampling does not depend on a seeded
+        generator that P and D would advance differently."""
+        remote, params = seq.remote, seq.params
+        if remote.num_tokens != len(seq) or (params.seed is not None and not params.greedy):
+            return False
+        if remote.expiry_time - time.time() < self.config.kv_expiry_margin_s or self.transfer is None \
+                or remote.peer_engine_id not in self.transfer.peers:
+            return False
+        hashes = block_hashes(seq.token_ids, self.block_size)
+        tail = seq.token_ids[len(hashes) * self.block_size:]
+        if tail:
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, tail))
+        if remote.block_hashes != hashes or len(seq.block_table) != len(hashes):
+            return False
+        local_ids, remote_ids = seq.block_table[local_hit:], remote.block_ids[local_hit:]
+        try:
+            handle = self.transfer.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
+        except Exception:
+            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
+            return False
+        seq.status = Status.LOADING_KV
+        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(),
+                                      block_range=(local_hit, len(hashes)), whole_prompt=True))
+        return True
 
     def _decline(self, seq: Sequence, reason: str) -> None:
         seq.reuse_outcome = reason
@@ -269,9 +314,10 @@ class LLMEngine:
         seq = load.seq
         first, last = load.block_range
         elapsed = time.perf_counter() - load.started
-        seq.block_hashes = seq.block_hashes[:first] + seq.remote.block_hashes[first:last]
-        seq.num_computed_tokens = last * self.block_size
-        seq.num_remote_tokens = (last - first) * self.block_size
+        full = min(last, len(seq) // self.block_size)
+        seq.block_hashes = seq.block_hashes[:first] + seq.remote.block_hashes[first:full]
+        seq.num_computed_tokens = len(seq) if load.whole_prompt else last * self.block_size
+        seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
         seq.timing.kv_read_s += elapsed
         seq.timing.kv_read_bytes += len(load.local_ids) * self.kv_cache.layout.block_bytes
         self._publish_full_blocks(seq)
@@ -280,6 +326,8 @@ class LLMEngine:
         self.stats.kv_read_seconds += elapsed
         self.stats.kv_read_bytes += len(load.local_ids) * self.kv_cache.layout.block_bytes
         self.scheduler.finish_loading(seq)
+        if load.whole_prompt:
+            self._append_token(seq, seq.remote.first_token_id)
 
     def _fallback(self, load: PendingLoad, reason: str, in_flight: bool) -> None:
         """Reuse failed: recompute from the local prefix-cache hit. A read still in flight keeps its target

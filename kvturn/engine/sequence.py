@@ -25,6 +25,8 @@ class RemoteBlocks:
     expiry_time: float  # wall-clock epoch seconds
     handle: str
     min_reuse_tokens: int | None = None  # None: the engine's kv_recompute_threshold_tokens
+    num_tokens: int = 0  # tokens whose KV the blocks hold (the last block may be partial)
+    first_token_id: int | None = None  # P->D: P's sampled first token, taken when every prompt block matches
 
 
 @dataclass(slots=True)

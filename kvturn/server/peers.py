@@ -41,7 +41,8 @@ class PeerClient:
             return reuse_policy.PEER_UNREACHABLE
         lease = response.json()
         return RemoteBlocks(engine_id, lease["block_ids"], lease["block_hashes"], lease["block_epochs"],
-                            lease["expiry_time"], ref.handle)
+                            lease["expiry_time"], ref.handle, num_tokens=lease["num_tokens"],
+                            first_token_id=lease.get("first_token_id"))
 
     async def release(self, ref: RemoteRef) -> None:
         try:

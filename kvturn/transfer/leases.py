@@ -30,11 +30,13 @@ class Lease:
     num_tokens: int
     expiry_time: float  # wall clock, epoch seconds
     release_after_read: bool
+    first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
     reads: int = 0
 
     def to_public(self) -> dict:
         return {"handle": self.handle, "block_ids": self.block_ids, "block_hashes": self.block_hashes,
-                "block_epochs": self.block_epochs, "num_tokens": self.num_tokens, "expiry_time": self.expiry_time}
+                "block_epochs": self.block_epochs, "num_tokens": self.num_tokens, "expiry_time": self.expiry_time,
+                "first_token_id": self.first_token_id}
 
 
 class LeaseTable:
@@ -47,7 +49,7 @@ class LeaseTable:
         self.counts = {"created": 0, "expired": 0, "reclaimed": 0, "released": 0, "superseded": 0}
 
     def retain(self, block_ids: list[int], block_hashes: list[int], num_tokens: int, conversation_key: str,
-               ttl_s: float, release_after_read: bool) -> Lease | None:
+               ttl_s: float, release_after_read: bool, first_token_id: int | None = None) -> Lease | None:
         if not block_ids:
             return None
         conversation = conversation_digest(conversation_key)
@@ -55,7 +57,8 @@ class LeaseTable:
             self.block_manager.take(block_id)
         lease = Lease(handle=secrets.token_urlsafe(24), conversation=conversation, block_ids=list(block_ids),
                       block_hashes=list(block_hashes), block_epochs=[int(self.block_manager.epochs[b]) for b in block_ids],
-                      num_tokens=num_tokens, expiry_time=time.time() + ttl_s, release_after_read=release_after_read)
+                      num_tokens=num_tokens, expiry_time=time.time() + ttl_s, release_after_read=release_after_read,
+                      first_token_id=first_token_id)
         with self._lock:
             previous = self._by_conversation.get(conversation)
             self._leases[lease.handle] = lease
