@@ -167,3 +167,17 @@ def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
     assert max(b for _, b in leg["retained_kv"]) > 0
     for name in ("report.html", "ttft_vs_prompt.png", "prefill_split.png", "session_time.png", "retained_kv.png"):
         assert (out / name).stat().st_size > 1000, name
+
+
+def test_kv_params_replayed_through_the_router_are_ignored(stacks):
+    """A client cannot make the router hand another conversation's lease to a worker."""
+    stack = stacks["bidir"]
+    messages, _ = conversation(stack.url, 1, conversation_id="victim")
+    stolen = send(stack.url, messages + [user_message(1)], "victim", stream=False,
+                  extra={"return_kv_transfer_params": True})["kv_transfer_params"]
+    assert stolen and stolen["handle"]
+    replay = {**stolen, "do_remote_decode": True, "do_remote_prefill": False}
+    result = send(stack.url, messages + [user_message(1)], "attacker", stream=False,
+                  extra={"kv_transfer_params": replay})
+    assert result["kvturn"]["reuse"] is None and result["kvturn"]["prompt_tokens_from_decode"] == 0
+    assert "kv_transfer_params" not in result or result["kv_transfer_params"] is None

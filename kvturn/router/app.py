@@ -269,6 +269,12 @@ def create_app(config: RouterConfig) -> FastAPI:
             router.table.remember_history(body["messages"] + [{"role": "assistant", "content": answer}],
                                           context.key)
 
+    def decode_refused(content: bytes, status: int) -> Response:
+        """D answered with an error: pass it on. The conversation keeps its previous lease, which is still
+        valid on a live D, so a retried turn can reuse it."""
+        router.metrics.requests.labels("decode_error").inc()
+        return Response(content, status, media_type="application/json")
+
     async def complete_decode(path: str, d_body: dict, context: "TurnContext"):
         try:
             worker, response = await open_decode(path, d_body, context, stream=False)
@@ -277,10 +283,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             return exc.response
         worker.in_flight -= 1
         if response.status_code != 200:
-            router.metrics.requests.labels("decode_error").inc()
-            if context.key:
-                router.table.drop(context.key)
-            return Response(response.content, response.status_code, media_type="application/json")
+            return decode_refused(response.content, response.status_code)
         result = response.json()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
@@ -303,8 +306,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             worker.in_flight -= 1
             content = await response.aread()
             await response.aclose()
-            router.metrics.requests.labels("decode_error").inc()
-            return Response(content, response.status_code, media_type="application/json")
+            return decode_refused(content, response.status_code)
 
         async def relay():
             answer, kv, finished = [], None, False

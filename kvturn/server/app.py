@@ -371,6 +371,9 @@ def side_channel(app: FastAPI, worker: Worker) -> None:
         return None
 
     async def lease_request(request: Request) -> tuple[str, str] | JSONResponse:
+        """(handle, binding_key) of an authorised lease call, or the error response."""
+        if (denied := refused(request)) is not None:
+            return denied
         try:
             data = await request.json()
             handle, key = data["handle"], data["binding_key"]
@@ -386,8 +389,6 @@ def side_channel(app: FastAPI, worker: Worker) -> None:
 
     @app.post("/kv/lease/acquire")
     async def acquire(request: Request):
-        if (denied := refused(request)) is not None:
-            return denied
         parsed = await lease_request(request)
         if isinstance(parsed, JSONResponse):
             return parsed
@@ -398,8 +399,6 @@ def side_channel(app: FastAPI, worker: Worker) -> None:
 
     @app.post("/kv/lease/release")
     async def release(request: Request):
-        if (denied := refused(request)) is not None:
-            return denied
         parsed = await lease_request(request)
         if isinstance(parsed, JSONResponse):
             return parsed
