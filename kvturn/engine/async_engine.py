@@ -78,7 +78,9 @@ class AsyncEngine:
                 busy = engine.has_work()
                 engine.run_commands(0 if busy else 0.05)
                 if busy and not engine.step():
-                    engine.run_commands(0.001)  # only remote reads pending: wait a little for them
+                    # Nothing could run: poll pending reads often, otherwise (abandoned reads of a hung peer,
+                    # requests waiting for blocks) just wait for the next command.
+                    engine.run_commands(0.001 if engine.loads else 0.05)
         except BaseException as exc:  # a dead engine must fail requests, not hang them
             self.error = exc
             for queue in list(self._queues.values()):
