@@ -131,8 +131,10 @@ class KVTransferAgent:
         """Read the peer's current epochs of `remote_ids` into epoch_scratch[local_ids]."""
         peer = self.peers[engine_id]
         item = self.epochs.itemsize
-        local = [(self.epoch_scratch.ctypes.data + lid * item, item, 0) for lid in local_ids]
-        remote = [(peer.epochs_address + rid * item, item, 0) for rid in remote_ids]
+        local, remote = [], []
+        for local_start, remote_start, count in _runs(local_ids, remote_ids):
+            local.append((self.epoch_scratch.ctypes.data + local_start * item, count * item, 0))
+            remote.append((peer.epochs_address + remote_start * item, count * item, 0))
         return self._start(peer, local, remote)
 
     def _start(self, peer: Peer, local: list, remote: list):
