@@ -222,8 +222,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         except (TypeError, AttributeError):
             return error_response(400, "messages must be a list of {role, content} objects")
         derived = key is not None and key.startswith("derived-")
-        entry = router.table.get(key) if key else None
-        router.metrics.lookups.labels("hit" if entry else "miss").inc()
+        entry, missed_because = router.table.lookup(key) if key else (None, None)
+        router.metrics.lookups.labels("hit" if entry else (missed_because or "miss")).inc()
         started = time.perf_counter()
         try:
             prefill, p_worker = await router.run_prefill(path, body, key, entry.kv_params if entry else None)
@@ -231,6 +231,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             router.metrics.requests.labels("prefill_error").inc()
             return exc.response
         p_round_trip = time.perf_counter() - started
+        if missed_because and (prefill.get("kvturn") or {}).get("reuse") is None:
+            prefill.setdefault("kvturn", {})["reuse"] = missed_because  # the lease ended before this turn came
         router.metrics.reuse.labels(str((prefill.get("kvturn") or {}).get("reuse"))).inc()
         d_body = {**body, "kv_transfer_params": prefill.get("kv_transfer_params")}
         if key is not None:

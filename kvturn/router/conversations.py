@@ -54,12 +54,16 @@ class ConversationTable:
             self._history[digest] = (key, expires)
 
     def get(self, key: str) -> Conversation | None:
+        return self.lookup(key)[0]
+
+    def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
+        """The live entry, or None and why: "expired" when the lease ran out (the turn came too late)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.expires_at <= time.time():
                 self._drop_locked(key)
-                entry = None
-            return entry
+                return None, "expired"
+            return entry, None
 
     def put(self, key: str, decode_url: str, kv_params: dict) -> Conversation:
         lease_end = float(kv_params.get("remote_blocks_expiry_time") or float("inf"))
