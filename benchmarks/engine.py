@@ -3,9 +3,7 @@
     python benchmarks/engine.py [--preset small] [--out results/engine.json]
 """
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console

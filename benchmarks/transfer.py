@@ -8,8 +8,6 @@ reads from them over NIXL (UCX, loopback). Block reads are timed both for consec
 decode worker's pool fragments.
 """
 import argparse
-import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table

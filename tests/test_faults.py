@@ -7,7 +7,6 @@ import sys
 import time
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
@@ -18,7 +17,6 @@ from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import RemoteBlocks, Sequence
 from kvturn.launch import LocalStack
 from kvturn.model.loader import load_model
-from kvturn.transfer.bandwidth import make_side
 
 SECRET = "test-cluster-secret"
 
@@ -167,3 +165,13 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
         os.kill(remote.pid, signal.SIGCONT)
         remote.stdin.close()
         remote.wait(timeout=30)
+
+
+def test_decode_refuses_a_prefill_peer_with_another_layout_and_computes_itself(tiny_model_dir, tmp_path):
+    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefill_args=["--block-size", "32"], log_dir=tmp_path) as pair:
+        messages = [{"role": "system", "content": "layouts " * 80}, user_message(0)]
+        result = send(pair.url, messages, "layout", stream=False)
+        decode = result["kvturn"]["decode"]
+        assert decode["reuse"] == "layout_mismatch" and decode["prompt_tokens_remote"] == 0
+        assert decode["prompt_tokens_computed"] == result["usage"]["prompt_tokens"]
+        assert metric(pair.urls["decode0"], "kvturn_kv_reuse_declines_total", '{reason="layout_mismatch"}') == 1

@@ -1,7 +1,6 @@
 """Summaries, the terminal table, JSON, PNG plots and one self-contained HTML page."""
 import base64
 import html
-import io
 import json
 from collections import Counter
 from pathlib import Path

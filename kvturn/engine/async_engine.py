@@ -38,8 +38,8 @@ class AsyncEngine:
         def run():
             try:
                 result = fn()
-            except Exception as exc:
-                self._loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            except Exception as exc:  # bound as a default: `exc` is unset once the except block ends
+                self._loop.call_soon_threadsafe(lambda error=exc: future.done() or future.set_exception(error))
             else:
                 self._loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
         self.engine.call_soon(run)

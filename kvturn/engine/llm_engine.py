@@ -21,7 +21,7 @@ from kvturn.engine.stats import EngineStats
 from kvturn.model.transformer import CausalLM
 from kvturn.transfer import reuse_policy
 from kvturn.transfer.leases import LeaseTable
-from kvturn.transfer.nixl_agent import DONE, FAILED, IN_PROGRESS, KVTransferAgent
+from kvturn.transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 
 log = logging.getLogger(__name__)
 
