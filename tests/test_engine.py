@@ -96,3 +96,9 @@ def test_stop_string_ends_generation(tiny_model_dir, prompts, uncached):
     stop = text[-3:] if text[-3:].strip() else text[-4:]
     out = llm.generate([prompts[3]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
     assert len(out) <= 6 and stop in llm.tokenizer.decode(out)
+
+
+def test_a_sequence_never_outgrows_the_pool(tiny_model_dir):
+    llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=8))  # 128 tokens of KV
+    out = llm.generate([[5] * 100], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))[0]
+    assert llm.engine.max_model_len == 128 and len(out) == 28

@@ -64,6 +64,11 @@ class LLMEngine:
                            * model_cfg.head_dim * 4)
         num_blocks = config.num_kv_blocks or max(config.kv_cache_mb * 2**20 // bytes_per_block, 1)
         self.kv_cache = KVCache(model_cfg, num_blocks, config.block_size, config.dtype)
+        if self.max_model_len > num_blocks * config.block_size:
+            # One sequence must always fit the pool, or preempting it for its own growth would never end.
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", self.max_model_len,
+                        num_blocks * config.block_size)
+            self.max_model_len = num_blocks * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget_blocks = (config.retained_kv_budget_mb * 2**20 // self.kv_cache.layout.block_bytes
                          if config.retained_kv_budget_mb is not None else None)

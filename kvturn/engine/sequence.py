@@ -86,10 +86,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_output_tokens == 0
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
