@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvturn.config import EngineConfig
-from kvturn.engine.block_manager import BlockManager, block_hashes, chain_hash
+from kvturn.engine.block_manager import BlockManager, chain_hash
 from kvturn.engine.kv_cache import KVCache
 from kvturn.engine.model_runner import ModelRunner
-from kvturn.engine.scheduler import Scheduler
+from kvturn.engine.scheduler import Scheduler, reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
 from kvturn.engine.stats import EngineStats
 from kvturn.model.transformer import CausalLM
@@ -155,7 +155,6 @@ class LLMEngine:
             self._publish_full_blocks(seq)
         for seq, token_id in sampled.items():
             self._append_token(seq, token_id)
-        self.stats.preemptions = self.scheduler.num_preemptions
         return True
 
     def _append_token(self, seq: Sequence, token_id: int) -> None:
@@ -226,37 +225,27 @@ class LLMEngine:
             self.block_manager.publish(seq.block_table[i], seq.block_hashes[i], tokens)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
 
-    def _on_admit(self, seq: Sequence, prompt_hashes: list[int]) -> None:
-        seq.block_hashes = list(prompt_hashes[:seq.num_published_blocks])
+    def _on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
+        seq.block_hashes = list(full_hashes[:seq.num_published_blocks])
         if seq.remote is None:
             return
         remote, local_hit = seq.remote, seq.num_published_blocks
-        if remote.first_token_id is not None and self._start_whole_prompt_load(seq, local_hit):
+        if remote.first_token_id is not None and self._start_whole_prompt_load(seq, local_hit, full_hashes):
             return
         threshold = self.config.kv_recompute_threshold_tokens if remote.min_reuse_tokens is None \
             else remote.min_reuse_tokens
-        decision = reuse_policy.decide_reuse(prompt_hashes, remote.block_hashes, local_hit, self.block_size,
+        reusable = full_hashes[:reusable_blocks(len(seq), self.block_size)]
+        decision = reuse_policy.decide_reuse(reusable, remote.block_hashes, local_hit, self.block_size,
                                              threshold, remote.expiry_time,
                                              time.time(), self.config.kv_expiry_margin_s)
         if not decision.loads:
             self._decline(seq, decision.reason)
-            return
-        if self.transfer is None or remote.peer_engine_id not in self.transfer.peers:
+        elif self.transfer is None or remote.peer_engine_id not in self.transfer.peers:
             self._decline(seq, reuse_policy.PEER_UNREACHABLE)
-            return
-        first, last = decision.load_from_block, decision.load_to_block
-        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
-        try:
-            handle = self.transfer.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
-        except Exception:
-            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
+        elif not self._start_read(seq, decision.load_from_block, decision.load_to_block, whole_prompt=False):
             self._decline(seq, reuse_policy.READ_FAILED)
-            return
-        seq.status = Status.LOADING_KV
-        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(),
-                                      block_range=(first, last)))
 
-    def _start_whole_prompt_load(self, seq: Sequence, local_hit: int) -> bool:
+    def _start_whole_prompt_load(self, seq: Sequence, local_hit: int, full_hashes: list[int]) -> bool:
         """P->D with P's first token: read every prompt block D lacks, the partial last one included, and skip
         computing the prompt's tail. Only when all block hashes match and sampling does not depend on a seeded
         generator that P and D would advance differently."""
@@ -266,13 +255,18 @@ class LLMEngine:
         if remote.expiry_time - time.time() < self.config.kv_expiry_margin_s or self.transfer is None \
                 or remote.peer_engine_id not in self.transfer.peers:
             return False
-        hashes = block_hashes(seq.token_ids, self.block_size)
+        hashes = list(full_hashes)
         tail = seq.token_ids[len(hashes) * self.block_size:]
         if tail:
             hashes.append(chain_hash(hashes[-1] if hashes else 0, tail))
         if remote.block_hashes != hashes or len(seq.block_table) != len(hashes):
             return False
-        local_ids, remote_ids = seq.block_table[local_hit:], remote.block_ids[local_hit:]
+        return self._start_read(seq, local_hit, len(hashes), whole_prompt=True)
+
+    def _start_read(self, seq: Sequence, first: int, last: int, whole_prompt: bool) -> bool:
+        """Start reading the peer's blocks [first, last) into ours; the sequence waits in LOADING_KV."""
+        remote = seq.remote
+        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
         try:
             handle = self.transfer.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
         except Exception:
@@ -280,7 +274,7 @@ class LLMEngine:
             return False
         seq.status = Status.LOADING_KV
         self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(),
-                                      block_range=(local_hit, len(hashes)), whole_prompt=True))
+                                      block_range=(first, last), whole_prompt=whole_prompt))
         return True
 
     def _decline(self, seq: Sequence, reason: str) -> None:

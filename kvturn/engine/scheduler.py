@@ -7,6 +7,11 @@ from kvturn.engine.block_manager import BlockManager, block_hashes
 from kvturn.engine.sequence import Sequence, Status
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks whose KV may come from a cache: the last token is always computed, for its logits."""
+    return (num_tokens - 1) // block_size
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  reclaim_retained: Callable[[], bool]):
@@ -28,7 +33,7 @@ class Scheduler:
 
     def schedule(self, admit: Callable[[Sequence, list[int]], None]) -> list[tuple[Sequence, int]]:
         """Returns (sequence, tokens to compute) pairs. `admit` is told of each admitted sequence and
-        its reusable prompt hashes, and may move it to LOADING_KV."""
+        the chained hashes of its full blocks, and may move it to LOADING_KV."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
@@ -43,12 +48,12 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
-            reusable_hashes = self._admit_blocks(seq)
-            if reusable_hashes is None:
+            hashes = self._admit_blocks(seq)
+            if hashes is None:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            admit(seq, reusable_hashes)
+            admit(seq, hashes)
             if seq.status is Status.LOADING_KV:
                 self.loading.append(seq)
                 continue
@@ -59,13 +64,14 @@ class Scheduler:
         return batch
 
     def _admit_blocks(self, seq: Sequence) -> list[int] | None:
-        """Take the cached prefix and allocate the rest of the prompt's blocks, or None if they do not fit."""
+        """Take the cached prefix and allocate the rest of the prompt's blocks; returns the hashes of all its
+        full blocks, or None if the blocks do not fit."""
         bm = self.block_manager
-        reusable_blocks = (len(seq) - 1) // self.block_size  # the last token is always computed, for its logits
-        hashes = block_hashes(seq.token_ids, self.block_size, reusable_blocks)
+        hashes = block_hashes(seq.token_ids, self.block_size)
+        reusable = hashes[:reusable_blocks(len(seq), self.block_size)]
         total_blocks = seq.blocks_needed(self.block_size)
         while True:
-            hit = bm.cached_prefix(seq.token_ids, hashes)
+            hit = bm.cached_prefix(seq.token_ids, reusable)
             revived = sum(1 for b in hit if bm.blocks[b].ref_count == 0)
             if bm.num_free_blocks - revived >= total_blocks - len(hit):
                 break

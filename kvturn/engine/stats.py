@@ -15,4 +15,3 @@ class EngineStats:
     kv_read_bytes: int = 0
     kv_reads: int = 0
     reuse_declines: Counter = field(default_factory=Counter)
-    preemptions: int = 0

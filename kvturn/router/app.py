@@ -221,7 +221,6 @@ def create_app(config: RouterConfig) -> FastAPI:
             key = router.conversation_key(body, request, chat)
         except (TypeError, AttributeError):
             return error_response(400, "messages must be a list of {role, content} objects")
-        derived = key is not None and key.startswith("derived-")
         entry, missed_because = router.table.lookup(key) if key else (None, None)
         router.metrics.lookups.labels("hit" if entry else (missed_because or "miss")).inc()
         started = time.perf_counter()
@@ -237,7 +236,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         d_body = {**body, "kv_transfer_params": prefill.get("kv_transfer_params")}
         if key is not None:
             d_body["conversation_id"] = key
-        context = TurnContext(key, derived, entry, prefill, p_worker.url, p_round_trip, want_kv, chat)
+        context = TurnContext(key, entry, prefill, p_worker.url, p_round_trip, want_kv, chat)
         if body.get("stream"):
             return await stream_decode(path, d_body, context)
         return await complete_decode(path, d_body, context)
@@ -356,7 +355,6 @@ def create_app(config: RouterConfig) -> FastAPI:
 @dataclass(slots=True)
 class TurnContext:
     key: str | None
-    derived: bool
     entry: object
     prefill: dict
     prefill_url: str

@@ -148,9 +148,10 @@ class Worker:
             retain = RetainSpec(self.config.engine.decoder_kv_blocks_ttl_s, conversation_key,
                                 release_after_read=False)
         remote, declined, side_channel_s = None, None, 0.0
-        if plan.remote is not None:
-            if transfer is None or (plan.prefill_for_remote_decode and not self.config.bidirectional):
-                declined = reuse_policy.PEER_UNREACHABLE if transfer is None else None
+        reads_remote = plan.remote is not None and (self.config.bidirectional or not plan.prefill_for_remote_decode)
+        if reads_remote:  # D->P reads need --bidirectional on this worker; P->D reads always happen
+            if transfer is None:
+                declined = reuse_policy.PEER_UNREACHABLE
             else:
                 resolve_started = time.perf_counter()
                 resolved = await self.resolve_remote(plan.remote)
@@ -233,8 +234,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         worker.async_engine.start()
         yield
         await worker.peers.close()
-        worker.engine.call_soon(worker.engine.leases.release_all)
-        await asyncio.sleep(0.1)
+        if worker.async_engine.alive:
+            await worker.async_engine.call(worker.engine.leases.release_all)
         worker.async_engine.stop()
 
     app = FastAPI(title="kvturn worker", lifespan=lifespan)

@@ -26,7 +26,7 @@ class EngineCollector:
             "kvturn_kv_read_bytes": ("Bytes of KV read from peers", stats.kv_read_bytes),
             "kvturn_kv_read_seconds": ("Seconds spent reading KV from peers", stats.kv_read_seconds),
             "kvturn_kv_reads": ("KV reads from peers completed", stats.kv_reads),
-            "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", stats.preemptions),
+            "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
