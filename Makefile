@@ -2,9 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 export KVTURN_CACHE_DIR ?= $(CURDIR)/.kvturn-cache
 
-.PHONY: install test demo bench-engine bench-transfer clean
+.PHONY: install test fuzz demo bench-engine bench-transfer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -14,10 +15,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The tests of many routers start their own redis-server (Debian's package) and stop it to see what routers do.
 install: $(STAMP)
+	command -v redis-server >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The hostile-input tests with a long random hypothesis profile instead of the fixed one `make test` runs.
+fuzz: install
+	KVTURN_HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q tests/test_fuzz.py
 
 # Five deployment legs on the embedded model, prompts swept to 8k tokens; ~3 min on 2 cores.
 demo: install

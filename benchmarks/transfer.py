@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kvturn.bench.machine import machine, write_json
 from kvturn.model.make_model import default_model_dir
-from kvturn.transfer.bandwidth import ReadBench, median_seconds
+from kvturn.bench.nixl_read import ReadBench, median_seconds
 
 
 def main() -> None:

@@ -1,11 +1,12 @@
-"""The `kvturn` command line."""
+"""The `kvturn` command line. Defaults and help of the settings come from the config dataclasses."""
 import logging
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from kvturn.config import EngineConfig
+from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig, WorkerConfig, default_of,
+                           help_of)
 
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -14,9 +15,27 @@ ModelOption = typer.Option(None, "--model", help="Hugging Face model directory (
                                                  "written on first use)")
 
 
+def option(cls, name: str, *flags: str, **extra):
+    """A command-line option whose default and help are those of the config field `cls.name`."""
+    return typer.Option(default_of(cls, name), *flags, help=help_of(cls, name), **extra)
+
+
+def build(cls, **values):
+    """Make a config, turning a validation error into a usage error that names the setting."""
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
 def resolve_model(model: Optional[Path], preset: str = "tiny") -> str:
     from kvturn.model.make_model import default_model_dir
     return str(model) if model else str(default_model_dir(preset))
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call drowns what matters
 
 
 @app.command("make-model")
@@ -33,78 +52,79 @@ def make_model_cmd(out: Path = typer.Option(..., "--out", help="directory to wri
 
 @app.command()
 def worker(
-    port: int = typer.Option(8100, help="HTTP port (OpenAI API and KV side channel)"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
+    port: int = option(WorkerConfig, "port"),
+    host: str = option(WorkerConfig, "host"),
     model: Optional[Path] = ModelOption,
-    role: str = typer.Option("both", help="prefill, decode or both (colocated)"),
-    bidirectional: bool = typer.Option(False, "--bidirectional/--no-bidirectional",
-                                       help="decode retains finished KV for the next turn's prefill to read back"),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching"),
-    served_model_name: Optional[str] = typer.Option(None, help="model name in the API (default: the directory name)"),
-    block_size: int = typer.Option(16, help="tokens per KV block"),
-    kv_cache_mb: int = typer.Option(512, help="size of the KV pool, MiB"),
-    max_num_seqs: int = typer.Option(32, help="most requests running at once"),
-    max_num_batched_tokens: int = typer.Option(8192, help="token budget of one step (chunked prefill)"),
-    max_model_len: Optional[int] = typer.Option(None, help="longest prompt + completion (default: the model's)"),
-    kv_recompute_threshold_tokens: int = typer.Option(64, help="read remote KV only if it saves at least this many "
-                                                               "tokens"),
-    decoder_kv_blocks_ttl_s: float = typer.Option(480.0, help="how long decode retains a finished turn's KV, s"),
-    kv_pin_timeout_s: float = typer.Option(30.0, help="how long prefill pins a prompt's KV for decode to read, s"),
-    kv_read_timeout_s: float = typer.Option(5.0, help="give up on a remote KV read after this long, s"),
-    kv_expiry_margin_s: float = typer.Option(5.0, help="decline a remote read whose lease ends within this, s"),
-    retained_kv_budget_mb: Optional[int] = typer.Option(None, help="most KV retained under leases, MiB (oldest "
-                                                                   "reclaimed first)"),
-    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET",
-                                                 help="shared secret peers must present on the side channel"),
-    advertise_host: Optional[str] = typer.Option(None, help="address peers use to reach this worker"),
-    side_channel_timeout_s: float = typer.Option(5.0, help="give up on a peer's side channel after this long, s"),
+    role: str = option(WorkerConfig, "role"),
+    bidirectional: bool = option(WorkerConfig, "bidirectional", "--bidirectional/--no-bidirectional"),
+    served_model_name: Optional[str] = option(WorkerConfig, "served_model_name"),
+    advertise_host: Optional[str] = option(WorkerConfig, "advertise_host"),
+    max_logprobs: int = option(WorkerConfig, "max_logprobs"),
+    prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
+    block_size: int = option(EngineConfig, "block_size"),
+    kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
+    num_kv_blocks: Optional[int] = option(EngineConfig, "num_kv_blocks"),
+    max_num_seqs: int = option(EngineConfig, "max_num_seqs"),
+    max_num_batched_tokens: int = option(EngineConfig, "max_num_batched_tokens"),
+    max_model_len: Optional[int] = option(EngineConfig, "max_model_len"),
+    dtype: str = option(EngineConfig, "dtype"),
+    kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
+    decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
+    kv_pin_timeout_s: float = option(ConnectorConfig, "kv_pin_timeout_s"),
+    kv_read_timeout_s: float = option(ConnectorConfig, "kv_read_timeout_s"),
+    kv_expiry_margin_s: float = option(ConnectorConfig, "kv_expiry_margin_s"),
+    retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
+    cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
+    trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
     log_level: str = typer.Option("info"),
 ):
     """Run one worker: engine + NIXL agent + OpenAI-compatible API."""
     import uvicorn
 
     from kvturn.server.app import create_app
-    from kvturn.server.worker_config import ROLES, WorkerConfig
-    if role not in ROLES:
-        raise typer.BadParameter(f"role must be one of {ROLES}")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = EngineConfig(block_size=block_size, kv_cache_mb=kv_cache_mb, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                          enable_prefix_caching=prefix_caching,
-                          kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
-                          decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
-                          kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
-                          retained_kv_budget_mb=retained_kv_budget_mb)
-    config = WorkerConfig(model_dir=resolve_model(model), role=role, host=host, port=port,
-                          advertise_host=advertise_host, served_model_name=served_model_name,
-                          bidirectional=bidirectional, cluster_secret=cluster_secret,
-                          side_channel_timeout_s=side_channel_timeout_s, engine=engine)
+    engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
+                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                   max_model_len=max_model_len, enable_prefix_caching=prefix_caching, dtype=dtype)
+    connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
+                      decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
+                      kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
+                      retained_kv_budget_mb=retained_kv_budget_mb, side_channel_timeout_s=side_channel_timeout_s,
+                      cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
+    config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
+                   advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
+                   max_logprobs=max_logprobs, engine=engine, connector=connector)
+    setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
 
 @app.command()
 def router(
-    prefill: list[str] = typer.Option(..., "--prefill", help="prefill worker URL (repeat for several)"),
-    decode: list[str] = typer.Option(..., "--decode", help="decode worker URL (repeat for several)"),
-    port: int = typer.Option(8000, help="HTTP port"),
-    host: str = typer.Option("127.0.0.1", help="address to listen on"),
-    conversation_ttl_s: float = typer.Option(450.0, help="how long the router remembers a conversation's lease, s "
-                                                         "(keep it below the decode TTL)"),
-    state: Optional[Path] = typer.Option(None, "--state", help="SQLite file that keeps the conversation table "
-                                                               "across restarts"),
-    max_in_flight_per_decode: int = typer.Option(32, help="a conversation's decode worker is skipped above this load"),
-    upstream_timeout_s: float = typer.Option(120.0, help="give up on a worker that sends nothing for this long, s"),
-    health_interval_s: float = typer.Option(2.0, help="how often dead workers are probed, s"),
+    prefill: list[str] = option(RouterConfig, "prefill_urls", "--prefill"),
+    decode: list[str] = option(RouterConfig, "decode_urls", "--decode"),
+    port: int = option(RouterConfig, "port"),
+    host: str = option(RouterConfig, "host"),
+    conversation_ttl_s: float = option(RouterConfig, "conversation_ttl_s"),
+    max_conversations: int = option(RouterConfig, "max_conversations"),
+    state: Optional[Path] = option(RouterConfig, "state_path", "--state"),
+    max_in_flight_per_decode: int = option(RouterConfig, "max_in_flight_per_decode"),
+    upstream_timeout_s: float = option(RouterConfig, "upstream_timeout_s"),
+    health_interval_s: float = option(RouterConfig, "health_interval_s"),
+    max_body_mb: int = option(RouterConfig, "max_body_mb"),
+    cluster_secret: Optional[str] = option(RouterConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
+    api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
     import uvicorn
 
-    from kvturn.router.app import RouterConfig, create_app
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = RouterConfig(prefill_urls=prefill, decode_urls=decode, conversation_ttl_s=conversation_ttl_s,
-                          state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode,
-                          request_timeout_s=upstream_timeout_s, health_interval_s=health_interval_s)
+    from kvturn.router.app import create_app
+    config = build(RouterConfig, prefill_urls=prefill, decode_urls=decode, host=host, port=port,
+                   conversation_ttl_s=conversation_ttl_s, max_conversations=max_conversations,
+                   state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode,
+                   upstream_timeout_s=upstream_timeout_s, health_interval_s=health_interval_s, max_body_mb=max_body_mb,
+                   cluster_secret=cluster_secret or None, api_keys=api_key)
+    setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
 
@@ -116,36 +136,27 @@ def serve(
                                        help="read the history back from decode (D->P) on later turns"),
     prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
                                                    help="off emulates a prefill cache miss, as in vLLM's published run"),
-    kv_cache_mb: int = typer.Option(1024, help="KV pool of each worker, MiB"),
-    decoder_kv_blocks_ttl_s: float = typer.Option(480.0, help="decode's retention lease, s"),
-    kv_recompute_threshold_tokens: int = typer.Option(64, help="least reusable tokens worth a read"),
-    retained_kv_budget_mb: Optional[int] = typer.Option(None, help="cap on KV retained by decode, MiB"),
-    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET"),
+    kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
+    decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
+    kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
+    retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     log_dir: Optional[Path] = typer.Option(None, help="write each process's log here"),
 ):
-    """Start router + 1 prefill + 1 decode worker on this machine; Ctrl-C stops them all."""
+    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack;
+    Ctrl-C stops them all."""
     import signal
     import time
 
-    from kvturn import launch
-    model_dir = resolve_model(model)
-    p_port, d_port = port + 1, port + 2
-    common = ["--model", model_dir, "--kv-cache-mb", str(kv_cache_mb),
-              "--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
-              "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s),
-              "--bidirectional" if bidirectional else "--no-bidirectional"]
-    if cluster_secret:
-        common += ["--cluster-secret", cluster_secret]
-    p_args = ["worker", "--role", "prefill", "--port", str(p_port), *common]
-    if not prefix_caching_on_prefill:
-        p_args.append("--no-prefix-caching")
-    d_args = ["worker", "--role", "decode", "--port", str(d_port), *common]
-    if retained_kv_budget_mb is not None:
-        d_args += ["--retained-kv-budget-mb", str(retained_kv_budget_mb)]
-    logs = (lambda name: log_dir / f"{name}.log") if log_dir else (lambda name: None)
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    children = [launch.start(p_args, logs("prefill")), launch.start(d_args, logs("decode"))]
+    from kvturn.launch import LocalStack
+    worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
+                   "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)]
+    decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
+                       prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
+                       worker_args=worker_args, decode_args=decode_args,
+                       router_args=[arg for key in api_key for arg in ("--api-key", key)], log_dir=log_dir,
+                       base_port=port)
     stopping = False
 
     def shutdown(*_):
@@ -154,20 +165,12 @@ def serve(
 
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
-    try:
-        for child, child_port in zip(children, (p_port, d_port)):
-            launch.wait_healthy(f"http://127.0.0.1:{child_port}", child)
-        children.append(launch.start(["router", "--port", str(port), "--prefill", f"http://127.0.0.1:{p_port}",
-                                      "--decode", f"http://127.0.0.1:{d_port}"], logs("router")))
-        launch.wait_healthy(f"http://127.0.0.1:{port}", children[-1])
-        typer.echo(f"kvturn serving on http://127.0.0.1:{port}/v1 (prefill :{p_port}, decode :{d_port}, "
-                   f"bidirectional {'on' if bidirectional else 'off'})")
-        while not stopping and all(c.poll() is None for c in children):
+    with stack:
+        typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
+                   f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret set)")
+        while not stopping and all(p.poll() is None for p in stack.processes.values()):
             time.sleep(0.2)
-    finally:
-        for child in reversed(children):
-            launch.stop(child)
-    failed = [c for c in children if c.returncode not in (0, -15)]
+        failed = [name for name, p in stack.processes.items() if p.poll() not in (None, 0, -15)]
     raise typer.Exit(1 if failed and not stopping else 0)
 
 
@@ -192,7 +195,7 @@ def bench(
     limit_max_tokens: Optional[int] = typer.Option(None, help="cap on answer tokens per turn"),
     seed: int = typer.Option(0),
     model: Optional[Path] = ModelOption,
-    kv_cache_mb: int = typer.Option(512, help="KV pool of each launched worker, MiB"),
+    kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
 ):
     """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""

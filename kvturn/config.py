@@ -1,20 +1,135 @@
-"""Tunable settings, each with its unit in its name."""
-from dataclasses import dataclass
+"""Every tunable setting, one dataclass per component: each default written once, with its unit in its name,
+validated once at start-up. The command line takes its defaults and help from here (see `cli.option`)."""
+from dataclasses import MISSING, dataclass, field, fields
+
+ROLES = ("prefill", "decode", "both")
+BACKENDS = ("kvturn", "vllm", "auto")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def setting(default, help: str):
+    """A field with its --help text; mutable defaults are copied per instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def default_of(cls, name: str):
+    spec = next(f for f in fields(cls) if f.name == name)
+    return spec.default_factory() if spec.default is MISSING else spec.default
+
+
+def help_of(cls, name: str) -> str:
+    return next(f for f in fields(cls) if f.name == name).metadata.get("help", "")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _check(value is None or value > 0, f"{name} must be positive, got {value}")
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    block_size: int = 16
-    kv_cache_mb: int = 512
-    num_kv_blocks: int | None = None  # overrides kv_cache_mb when set
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    kv_recompute_threshold_tokens: int = 64
-    kv_read_timeout_s: float = 5.0
-    kv_expiry_margin_s: float = 5.0  # decline a remote read whose lease ends within this margin
-    decoder_kv_blocks_ttl_s: float = 480.0
-    kv_pin_timeout_s: float = 30.0
-    retained_kv_budget_mb: int | None = None
-    dtype: str = "float32"
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_mb: int = setting(512, "size of the KV pool, MiB")
+    num_kv_blocks: int | None = setting(None, "blocks in the KV pool (overrides --kv-cache-mb)")
+    max_num_seqs: int = setting(32, "most requests running at once")
+    max_num_batched_tokens: int = setting(8192, "token budget of one step (chunked prefill)")
+    max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
+    enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
+    dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
+
+    def __post_init__(self):
+        _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
+                  "max_model_len")
+        _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
+                                                                  f"got {self.dtype!r}")
+
+
+@dataclass(slots=True)
+class ConnectorConfig:
+    """The KV connector: when to read a peer's blocks, how long blocks are kept for a peer, whom to trust."""
+    kv_recompute_threshold_tokens: int = setting(64, "read remote KV only if it saves at least this many tokens")
+    kv_read_timeout_s: float = setting(5.0, "give up on a remote KV read after this long, s")
+    kv_expiry_margin_s: float = setting(5.0, "decline a remote read whose lease ends within this, s")
+    decoder_kv_blocks_ttl_s: float = setting(480.0, "how long decode retains a finished turn's KV, s")
+    kv_pin_timeout_s: float = setting(30.0, "how long prefill pins a prompt's KV for decode to read, s")
+    retained_kv_budget_mb: int | None = setting(None, "most KV retained under leases, MiB (oldest reclaimed first)")
+    side_channel_timeout_s: float = setting(5.0, "give up on a peer's side channel after this long, s")
+    cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
+    trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
+
+    def __post_init__(self):
+        _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
+        _positive(self, "kv_read_timeout_s", "decoder_kv_blocks_ttl_s", "kv_pin_timeout_s", "retained_kv_budget_mb",
+                  "side_channel_timeout_s")
+        _check(self.kv_expiry_margin_s >= 0, "kv_expiry_margin_s must be >= 0")
+        _check(self.kv_expiry_margin_s < self.decoder_kv_blocks_ttl_s,
+               "kv_expiry_margin_s must be below decoder_kv_blocks_ttl_s, or no retained block is ever read")
+        _check(self.cluster_secret is None or len(self.cluster_secret) >= 16,
+               "cluster_secret must be at least 16 characters")
+        for peer in self.trusted_peers:
+            host, _, port = peer.rpartition(":")
+            _check(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                   f"trusted peer {peer!r} must be HOST:PORT")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model_dir: str
+    role: str = setting("both", "prefill, decode or both (colocated)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8100, "HTTP port (OpenAI API and KV side channel)")
+    advertise_host: str | None = setting(None, "address peers use to reach this worker (default: --host)")
+    served_model_name: str | None = setting(None, "model name in the API (default: the directory name)")
+    bidirectional: bool = setting(False, "decode retains finished KV for the next turn's prefill to read back")
+    max_logprobs: int = setting(20, "most top_logprobs a request may ask for")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+
+    def __post_init__(self):
+        _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
+        _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+
+    @property
+    def transfers_kv(self) -> bool:
+        """Whether this worker has a KV connector: every P/D role, and a colocated one that retains."""
+        return self.role != "both" or self.bidirectional
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    prefill_urls: list[str] = setting([], "prefill worker URL (repeat for several)")
+    decode_urls: list[str] = setting([], "decode worker URL (repeat for several)")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "HTTP port")
+    conversation_ttl_s: float = setting(450.0, "how long the router remembers a conversation's lease, s "
+                                               "(keep it below the decode TTL)")
+    max_conversations: int = setting(100_000, "most conversations the router tracks (oldest dropped first)")
+    state_path: str | None = setting(None, "SQLite file that keeps the conversation table across restarts")
+    max_in_flight_per_decode: int = setting(32, "a conversation's decode worker is skipped above this load")
+    health_interval_s: float = setting(2.0, "how often workers are probed, s")
+    upstream_timeout_s: float = setting(120.0, "give up on a worker that sends nothing for this long, s")
+    cluster_secret: str | None = setting(None, "shared secret the router presents to workers")
+    api_keys: list[str] = setting([], "client API key (repeat for several); clients must send "
+                                      "'Authorization: Bearer KEY' and see only their own conversations")
+    max_body_mb: int = setting(32, "largest request body accepted, MiB")
+
+    def __post_init__(self):
+        _check(bool(self.prefill_urls) and bool(self.decode_urls), "give at least one prefill and one decode URL")
+        _positive(self, "conversation_ttl_s", "max_conversations", "max_in_flight_per_decode", "health_interval_s",
+                  "upstream_timeout_s", "max_body_mb")
+        _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
+        _check(self.cluster_secret is None or len(self.cluster_secret) >= 16,
+               "cluster_secret must be at least 16 characters")
+        _check(all(self.api_keys), "an API key may not be empty")

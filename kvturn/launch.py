@@ -1,9 +1,13 @@
 """Start and stop kvturn processes (used by `kvturn serve`, the benchmark and the integration tests)."""
 import os
+import random
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,9 +15,25 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port the kernel handed out for bind(0) may be given
+    to an outgoing connection before our server binds it (seen as start-up failures under load)."""
+    low, high = 20000, _ephemeral_start()
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
+
+
+def _ephemeral_start() -> int:
+    try:
+        return min(int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]), 32768)
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def start(args: list[str], log_path: Path | None = None, env: dict | None = None) -> subprocess.Popen:
@@ -52,19 +72,26 @@ def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
 class LocalStack:
     """A kvturn deployment on this machine: one colocated worker, or router + prefill + decode workers.
 
-    `url` is what clients talk to (the router, or the colocated worker).
+    `url` is what clients talk to (the router, or the colocated worker). The stack is closed by default: its
+    processes share a cluster secret made for it (or KVTURN_CLUSTER_SECRET from `env`), passed in their
+    environment. With `base_port` the router listens there and the workers on the ports after it.
     """
 
     def __init__(self, model_dir: str, mode: str = "pd", bidirectional: bool = True,
                  prefix_caching_on_prefill: bool = True, num_decode: int = 1, kv_cache_mb: int = 512,
                  worker_args: list[str] = (), prefill_args: list[str] = (), decode_args: list[str] = (),
-                 router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None):
+                 router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None,
+                 base_port: int | None = None):
         self.model_dir, self.mode = str(model_dir), mode
         self.bidirectional, self.prefix_caching_on_prefill = bidirectional, prefix_caching_on_prefill
         self.num_decode, self.kv_cache_mb = num_decode, kv_cache_mb
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
-        self.log_dir, self.env = log_dir, env
+        self.log_dir = log_dir
+        self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), **(env or {})}
+        self.cluster_secret = self.env["KVTURN_CLUSTER_SECRET"]
+        self.base_port = base_port
+        self._worker_ports = iter(range(base_port + 1, base_port + 64)) if base_port else None
         self.processes: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
         self.args: dict[str, list[str]] = {}
@@ -75,8 +102,11 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{name}.log"
 
+    def _port(self) -> int:
+        return next(self._worker_ports) if self._worker_ports else free_port()
+
     def start_worker(self, name: str, role: str, extra: list[str]) -> None:
-        port = free_port()
+        port = self._port()
         args = ["worker", "--role", role, "--port", str(port), "--model", self.model_dir,
                 "--kv-cache-mb", str(self.kv_cache_mb), *self.worker_args, *extra]
         if self.bidirectional and role != "both":
@@ -103,7 +133,7 @@ class LocalStack:
         for name, url in list(self.urls.items()):
             wait_healthy(url, self.processes[name])
         if self.mode != "colocated":
-            port = free_port()
+            port = self.base_port or free_port()
             args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
             for i in range(self.num_decode):
                 args += ["--decode", self.urls[f"decode{i}"]]
@@ -143,6 +173,45 @@ class LocalStack:
         except BaseException:
             self.stop()
             raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisServer:
+    """A redis-server of its own on a free loopback port that keeps nothing on disk (tests, the soak benchmark);
+    stop and start it again to see what routers do without their shared state."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+        import redis
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (`make install` installs it)")
+        self.process = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no", "--dir", tempfile.gettempdir()],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        with redis.Redis(port=self.port, socket_connect_timeout=0.5) as client:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                    time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -4,7 +4,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
+# `make test`: the same examples every run, so a failure is a regression and never luck. `make fuzz`: long, random.
+settings.register_profile("ci", max_examples=60, derandomize=True, print_blob=True)
+settings.register_profile("fuzz", max_examples=2000, derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("KVTURN_HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("KVTURN_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".kvturn-cache"))
 
 

@@ -86,6 +86,11 @@ def test_edited_history_reuses_only_the_matching_prefix(stacks, reference):
     assert result["kvturn"]["reuse"] == "reused" and 0 < reused <= system_tokens + 16
 
 
+def as_router(stack) -> dict:
+    """Headers of a caller inside the cluster: only such a caller may name a peer for a worker to read from."""
+    return {"X-Kvturn-Cluster-Secret": stack.cluster_secret}
+
+
 def test_a_retained_handle_can_be_read_twice(stacks):
     """A retried turn presents the same lease again and still gets the history."""
     stack = stacks["bidir"]
@@ -97,7 +102,8 @@ def test_a_retained_handle_can_be_read_twice(stacks):
         kv = {**lease, "do_remote_decode": True, "do_remote_prefill": False}
         body = {"messages": next_turn, "max_tokens": 1, "temperature": 0, "kv_transfer_params": kv,
                 "conversation_id": "conv-retry-direct"}
-        attempts.append(httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60).json())
+        attempts.append(httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60,
+                                   headers=as_router(stack)).json())
     assert [a["kvturn"]["reuse"] for a in attempts] == ["reused", "reused"]
     assert attempts[0]["kvturn"]["prompt_tokens_remote"] == attempts[1]["kvturn"]["prompt_tokens_remote"] > 0
 
@@ -109,7 +115,8 @@ def test_a_handle_is_bound_to_its_conversation(stacks):
     kv = {**lease, "do_remote_decode": True, "do_remote_prefill": False}
     body = {"messages": messages + [user_message(1)], "max_tokens": 1, "kv_transfer_params": kv,
             "conversation_id": "conv-intruder"}
-    result = httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60).json()
+    result = httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60,
+                        headers=as_router(stack)).json()
     assert result["kvturn"]["reuse"] == "lease_unknown" and result["kvturn"]["prompt_tokens_remote"] == 0
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from chat import conversation, metric, send, user_message
-from kvturn.config import EngineConfig
+from kvturn.config import ConnectorConfig, EngineConfig
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
-from kvturn.engine.sequence import RemoteBlocks, Sequence
+from kvturn.engine.sequence import Sequence
+from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
 from kvturn.launch import LocalStack
 from kvturn.model.loader import load_model
 
@@ -125,7 +126,7 @@ def test_sigterm_drains_the_in_flight_stream(tiny_model_dir, tmp_path):
 def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
     """NIXL READ from a SIGSTOPped peer: the engine gives up after kv_read_timeout_s, keeps the target blocks
     out of use until NIXL lets go of them, and computes the prompt itself, with the same output."""
-    remote = subprocess.Popen([sys.executable, "-m", "kvturn.transfer.bandwidth", "--serve", "64",
+    remote = subprocess.Popen([sys.executable, "-m", "kvturn.bench.nixl_read", "--serve", "64",
                                str(tiny_model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -134,10 +135,11 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
             assert line, "remote side exited"
         info = json.loads(line[6:])["info"]
         outputs = []
-        engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16, kv_read_timeout_s=1.0),
+        engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16),
                            emit=lambda out: outputs.extend(out.new_token_ids), detokenize=lambda ids: "",
-                           eos_token_ids=set(), with_transfer=True)
-        engine.transfer.add_peer(info)
+                           eos_token_ids=set())
+        connector = KVConnector(engine, ConnectorConfig(kv_read_timeout_s=1.0))
+        connector.nixl.add_peer(info)
         os.kill(remote.pid, signal.SIGSTOP)
         prompt = torch.randint(3, 4000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -150,7 +152,7 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
         while "hung" in engine.sequences and time.monotonic() - started < 30:
             if not engine.step():
                 time.sleep(0.005)
-        assert engine.stats.reuse_declines["peer_unreachable"] == 1
+        assert connector.stats.reuse_declines["peer_unreachable"] == 1
         assert 1.0 <= time.monotonic() - started < 30 and len(outputs) == 8
         reference = []
         plain = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16),
@@ -160,7 +162,7 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
         while plain.has_work():
             plain.step()
         assert outputs == reference
-        assert engine.abandoned, "the in-flight read's blocks must stay held while NIXL may still write them"
+        assert connector.abandoned, "the in-flight read's blocks must stay held while NIXL may still write them"
     finally:
         os.kill(remote.pid, signal.SIGCONT)
         remote.stdin.close()

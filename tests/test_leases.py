@@ -1,7 +1,7 @@
 import time
 
 from kvturn.engine.block_manager import BlockManager
-from kvturn.transfer.leases import LeaseTable
+from kvturn.kv_transfer.leases import LeaseTable
 
 
 def table(blocks=32, budget=None):

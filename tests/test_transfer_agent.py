@@ -5,18 +5,19 @@ import numpy as np
 import pytest
 import torch
 
-from kvturn.config import EngineConfig
-from kvturn.engine.kv_cache import KVCache
+from kvturn.config import ConnectorConfig, EngineConfig
+from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
-from kvturn.engine.sequence import RetainSpec, Sequence
+from kvturn.engine.sequence import Sequence
+from kvturn.kv_transfer.connector import KVConnector, RetainSpec
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, LayoutMismatch
 from kvturn.model.config import ModelConfig
 from kvturn.model.loader import load_model
-from kvturn.transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, LayoutMismatch
 
 
 def agent(model_dir, block_size=16, blocks=8):
-    kv = KVCache(ModelConfig.from_dir(model_dir), blocks, block_size)
+    kv = KVCache(KVLayout.for_model(ModelConfig.from_dir(model_dir), blocks, block_size))
     return KVTransferAgent(kv, np.zeros(blocks, dtype=np.int64)), kv
 
 
@@ -49,6 +50,7 @@ def test_scattered_block_reads_copy_exactly_the_named_blocks(tiny_model_dir):
 def test_running_requests_reclaim_retained_blocks_before_anyone_is_preempted(tiny_model_dir):
     engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(num_kv_blocks=24), emit=lambda out: None,
                        detokenize=lambda ids: "", eos_token_ids=set())
+    leases = KVConnector(engine, ConnectorConfig()).leases
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     turns = []
     for i in range(3):  # three finished turns retain 6 blocks each: 18 of 24 blocks leased, 6 free
@@ -57,11 +59,11 @@ def test_running_requests_reclaim_retained_blocks_before_anyone_is_preempted(tin
         engine.add_request(turns[-1])
         while engine.has_work():
             engine.step()
-    assert engine.leases.retained_blocks == 18
+    assert leases.retained_blocks == 18
     # 250 prompt + 20 answer tokens need 17 blocks: two leases must go, the oldest two
     engine.add_request(Sequence("big", [7] * 250, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
     while engine.has_work():
         engine.step()
-    assert engine.leases.counts["reclaimed"] == 2 and engine.scheduler.num_preemptions == 0
-    alive = [engine.leases.lookup(t.retained["handle"], f"conv{i}") is not None for i, t in enumerate(turns)]
+    assert leases.counts["reclaimed"] == 2 and engine.scheduler.num_preemptions == 0
+    alive = [leases.lookup(t.retained["handle"], f"conv{i}") is not None for i, t in enumerate(turns)]
     assert alive == [False, False, True]

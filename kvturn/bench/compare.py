@@ -122,7 +122,7 @@ def ideal_speedup(results: dict, model_dir: str) -> dict | None:
     on_row = ttft_at(on, longest.conversation_id, longest.turn)
     if on_row is None or not on_row["bytes_d_to_p"]:
         return {"note": "the ON leg did not reuse KV at the longest prompt", "on": on_row}
-    from kvturn.transfer.bandwidth import ReadBench
+    from kvturn.bench.nixl_read import ReadBench
     nbytes = on_row["bytes_d_to_p"]
     with ReadBench(model_dir, nbytes // 2**20 + 2) as bench:
         raw_read_ms = bench.raw_read_s(nbytes, repeats=7) * 1e3

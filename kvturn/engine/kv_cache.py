@@ -22,6 +22,11 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
 
+    @classmethod
+    def for_model(cls, model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: str = "float32") -> "KVLayout":
+        return cls(model_cfg.model_type, dtype, num_blocks, block_size, model_cfg.num_hidden_layers,
+                   model_cfg.num_key_value_heads, model_cfg.head_dim)
+
     @property
     def block_bytes(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
@@ -33,11 +38,10 @@ class KVLayout:
 
 
 class KVCache:
-    def __init__(self, model_cfg: ModelConfig, num_blocks: int, block_size: int, dtype: str = "float32"):
-        self.layout = KVLayout(model_cfg.model_type, dtype, num_blocks, block_size, model_cfg.num_hidden_layers,
-                               model_cfg.num_key_value_heads, model_cfg.head_dim)
-        self.pool = torch.zeros(num_blocks, model_cfg.num_hidden_layers, 2, block_size,
-                                model_cfg.num_key_value_heads, model_cfg.head_dim, dtype=DTYPES[dtype])
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.pool = torch.zeros(layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                                layout.head_dim, dtype=DTYPES[layout.dtype])
 
     @property
     def base_address(self) -> int:

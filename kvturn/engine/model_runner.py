@@ -2,7 +2,7 @@
 import torch
 
 from kvturn.engine.kv_cache import KVCache
-from kvturn.engine.sampling import sample_row
+from kvturn.engine.sampling import TokenLogprob, sample_row, token_logprob
 from kvturn.engine.sequence import Sequence
 from kvturn.model.attention import AttentionMetadata, PrefillSpan
 from kvturn.model.transformer import CausalLM
@@ -15,8 +15,9 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, int]:
-        """Compute the scheduled tokens; returns a sampled token for each sequence that reached its end."""
+    def run(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, tuple[int, TokenLogprob | None]]:
+        """Compute the scheduled tokens; returns a sampled token (and its logprob when asked for) for each
+        sequence that reached its end."""
         prefills = [(s, n) for s, n in batch if n > 1]
         decodes = [(s, n) for s, n in batch if n == 1]
         ids, positions, spans = [], [], []
@@ -44,7 +45,12 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.model.logits(hidden[torch.tensor(rows)])
-        return {seq: sample_row(logits[i], seq.params, seq.generator) for i, seq in enumerate(sampled_seqs)}
+        sampled = {}
+        for i, seq in enumerate(sampled_seqs):
+            token_id = sample_row(logits[i], seq.params, seq.generator)
+            k = seq.params.logprobs
+            sampled[seq] = (token_id, None if k is None else token_logprob(logits[i], token_id, k))
+        return sampled
 
     def _write_blocks(self, seq: Sequence, num_new: int) -> list[int]:
         start = seq.num_computed_tokens

@@ -14,10 +14,28 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The sampled token's log-probability under the model's raw distribution (before temperature, as vLLM
+    reports it), and the `k` most likely tokens with theirs."""
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if k > 0:
+        values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(float(logprobs[token_id]), top)
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

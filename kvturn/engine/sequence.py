@@ -16,20 +16,6 @@ class Status(Enum):
 
 
 @dataclass(slots=True)
-class RemoteBlocks:
-    """Blocks a peer retains for this prompt, as confirmed by that peer's side channel."""
-    peer_engine_id: str
-    block_ids: list[int]
-    block_hashes: list[int]
-    block_epochs: list[int]
-    expiry_time: float  # wall-clock epoch seconds
-    handle: str
-    min_reuse_tokens: int | None = None  # None: the engine's kv_recompute_threshold_tokens
-    num_tokens: int = 0  # tokens whose KV the blocks hold (the last block may be partial)
-    first_token_id: int | None = None  # P->D: P's sampled first token, taken when every prompt block matches
-
-
-@dataclass(slots=True)
 class Timing:
     """Where a request's time went, in seconds (returned to clients so a benchmark can split TTFT)."""
     arrival: float = field(default_factory=time.perf_counter)
@@ -43,17 +29,9 @@ class Timing:
     kv_read_bytes: int = 0
 
 
-@dataclass(slots=True)
-class RetainSpec:
-    """Keep this request's full blocks after it finishes, under a lease."""
-    ttl_s: float
-    conversation_key: str
-    release_after_read: bool
-
-
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 remote: RemoteBlocks | None = None, retain: RetainSpec | None = None):
+                 remote=None, retain=None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -65,9 +43,9 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the computed full blocks
         self.num_cached_tokens = 0  # served from the local prefix cache
         self.num_remote_tokens = 0  # read from a peer
-        self.remote = remote
+        self.remote = remote  # the KV connector's record of blocks to read from a peer
         self.reuse_outcome: str | None = None  # "reused" or a decline reason
-        self.retain = retain
+        self.retain = retain  # the KV connector's instruction to keep the blocks after finishing
         self.retained: dict | None = None  # lease metadata, set at finish
         self.finish_reason: str | None = None
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

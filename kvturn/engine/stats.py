@@ -1,6 +1,5 @@
 """Plain counters the engine keeps; the server exports them to Prometheus at scrape time."""
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -11,7 +10,3 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # served from the local prefix cache
     prompt_tokens_remote: int = 0  # read from a peer over NIXL
     generation_tokens: int = 0
-    kv_read_seconds: float = 0.0
-    kv_read_bytes: int = 0
-    kv_reads: int = 0
-    reuse_declines: Counter = field(default_factory=Counter)

@@ -1,14 +1,14 @@
-"""The router's conversation table: which decode worker retains a conversation's KV, and its lease.
+"""The router's conversation table: which decode worker retains a conversation's KV, and its lease; and the
+history index that names a conversation by the digest of a history it returned.
 
-Kept in memory and, with a state path, written through to SQLite so a restarted router keeps
-reusing. Clients without a conversation id are tracked by hashes of their message history: a
-turn's history plus the answer we returned names the conversation on its next turn.
+Kept in memory, bounded (`max_entries`, oldest dropped first; expired entries swept), and with a state path
+written through to SQLite so a restarted router keeps reusing. The methods are coroutines so that a shared
+store (Redis, for many routers) can stand in for this one.
 """
-import hashlib
 import json
 import sqlite3
-import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,27 +19,22 @@ class Conversation:
     decode_url: str
     kv_params: dict  # the decode worker's retention params, passed to prefill next turn
     expires_at: float  # wall clock
-
-
-def history_hash(messages: list[dict]) -> str:
-    canonical = json.dumps([[m.get("role"), m.get("content")] for m in messages], separators=(",", ":"),
-                           ensure_ascii=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    order: int = 0  # how far the conversation had come (messages in the history); a store keeps the newest
+    prompt_token_ids: list[int] | None = None  # for a vLLM backend: the tokens whose KV the decode worker retained
 
 
 class ConversationTable:
-    def __init__(self, ttl_s: float, state_path: str | Path | None = None, max_entries: int = 100_000):
+    def __init__(self, ttl_s: float, max_entries: int, state_path: str | Path | None = None):
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: dict[str, Conversation] = {}
-        self._history: dict[str, tuple[str, float]] = {}  # history hash -> (key, expires_at)
-        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, Conversation] = OrderedDict()  # oldest write first
+        self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()  # digest -> (key, expires_at)
         self._db = None
         if state_path:
             self._db = sqlite3.connect(str(state_path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS conversations (key TEXT PRIMARY KEY, decode_url TEXT, "
-                             "kv_params TEXT, expires_at REAL)")
+                             "kv_params TEXT, expires_at REAL, extra TEXT)")
             self._db.execute("CREATE TABLE IF NOT EXISTS history (hash TEXT PRIMARY KEY, key TEXT, expires_at REAL)")
             self._load()
 
@@ -47,70 +42,85 @@ class ConversationTable:
         now = time.time()
         self._db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,))
         self._db.execute("DELETE FROM history WHERE expires_at <= ?", (now,))
-        for key, url, params, expires in self._db.execute("SELECT key, decode_url, kv_params, expires_at "
-                                                          "FROM conversations"):
-            self._entries[key] = Conversation(key, url, json.loads(params), expires)
-        for digest, key, expires in self._db.execute("SELECT hash, key, expires_at FROM history"):
+        rows = self._db.execute("SELECT key, decode_url, kv_params, expires_at, extra FROM conversations "
+                                "ORDER BY expires_at")
+        for key, url, params, expires, extra in rows:
+            extra = json.loads(extra or "{}")
+            self._entries[key] = Conversation(key, url, json.loads(params), expires, extra.get("order", 0),
+                                              extra.get("prompt_token_ids"))
+        for digest, key, expires in self._db.execute("SELECT hash, key, expires_at FROM history ORDER BY expires_at"):
             self._history[digest] = (key, expires)
 
-    def get(self, key: str) -> Conversation | None:
-        return self.lookup(key)[0]
-
-    def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
+    async def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
         """The live entry, or None and why: "expired" when the lease ran out (the turn came too late)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.expires_at <= time.time():
-                self._drop_locked(key)
-                return None, "expired"
-            return entry, None
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires_at <= time.time():
+            self._drop(key)
+            return None, "expired"
+        return entry, None
 
-    def put(self, key: str, decode_url: str, kv_params: dict) -> Conversation:
-        lease_end = float(kv_params.get("remote_blocks_expiry_time") or float("inf"))
-        entry = Conversation(key, decode_url, kv_params, min(time.time() + self.ttl_s, lease_end))
-        with self._lock:
-            self._entries[key] = entry
-            if len(self._entries) > self.max_entries:
-                self._evict_locked()
-            if self._db:
-                self._db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?)",
-                                 (key, decode_url, json.dumps(kv_params), entry.expires_at))
-        return entry
+    async def put(self, entry: Conversation) -> bool:
+        """Store `entry` unless the table holds a newer turn of the conversation; whether it was stored."""
+        current = self._entries.get(entry.key)
+        if current is not None and current.order > entry.order and current.expires_at > time.time():
+            return False
+        lease_end = float(entry.kv_params.get("remote_blocks_expiry_time") or float("inf"))
+        entry.expires_at = min(time.time() + self.ttl_s, lease_end)
+        self._entries.pop(entry.key, None)
+        self._entries[entry.key] = entry
+        if self._db:
+            extra = json.dumps({"order": entry.order, "prompt_token_ids": entry.prompt_token_ids})
+            self._db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?)",
+                             (entry.key, entry.decode_url, json.dumps(entry.kv_params), entry.expires_at, extra))
+        while len(self._entries) > self.max_entries:
+            self._drop(next(iter(self._entries)))
+        return True
 
-    def drop(self, key: str) -> None:
-        with self._lock:
-            self._drop_locked(key)
+    async def drop(self, key: str) -> None:
+        self._drop(key)
 
-    def _drop_locked(self, key: str) -> None:
+    def _drop(self, key: str) -> None:
         self._entries.pop(key, None)
         if self._db:
             self._db.execute("DELETE FROM conversations WHERE key = ?", (key,))
 
-    def _evict_locked(self) -> None:
-        oldest = sorted(self._entries.values(), key=lambda e: e.expires_at)[: len(self._entries) // 10 or 1]
-        for entry in oldest:
-            self._drop_locked(entry.key)
+    async def remember_history(self, digest: str, key: str) -> None:
+        """A later turn whose history has this digest as a prefix continues `key`."""
+        expires = time.time() + self.ttl_s
+        self._history.pop(digest, None)
+        self._history[digest] = (key, expires)
+        while len(self._history) > self.max_entries:
+            oldest = next(iter(self._history))
+            self._forget_history(oldest)
+        if self._db:
+            self._db.execute("INSERT OR REPLACE INTO history VALUES (?, ?, ?)", (digest, key, expires))
 
-    def remember_history(self, messages: list[dict], key: str) -> None:
-        """The next turn's history will start with `messages`: let it find `key`."""
-        digest, expires = history_hash(messages), time.time() + self.ttl_s
-        with self._lock:
-            self._history[digest] = (key, expires)
-            if len(self._history) > self.max_entries:
-                for stale in [h for h, (_, e) in self._history.items() if e <= time.time()]:
-                    del self._history[stale]
-            if self._db:
-                self._db.execute("INSERT OR REPLACE INTO history VALUES (?, ?, ?)", (digest, key, expires))
+    def _forget_history(self, digest: str) -> None:
+        del self._history[digest]
+        if self._db:
+            self._db.execute("DELETE FROM history WHERE hash = ?", (digest,))
 
-    def key_for_history(self, messages: list[dict]) -> str:
-        """The conversation whose longest earlier turn this history extends, or a new derived key."""
+    async def find_history(self, digests: list[str]) -> str | None:
+        """The conversation of the longest remembered prefix among `digests` (shortest first)."""
         now = time.time()
-        with self._lock:
-            for end in range(len(messages) - 1, 0, -1):
-                found = self._history.get(history_hash(messages[:end]))
-                if found is not None and found[1] > now:
-                    return found[0]
-        return "derived-" + history_hash(messages)[:32]
+        for digest in reversed(digests):
+            found = self._history.get(digest)
+            if found is not None and found[1] > now:
+                return found[0]
+        return None
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    async def sweep(self) -> None:
+        """Drop what has expired, so memory follows the live conversations."""
+        now = time.time()
+        for key in [k for k, e in self._entries.items() if e.expires_at <= now]:
+            self._drop(key)
+        for digest in [d for d, (_, expires) in self._history.items() if expires <= now]:
+            self._forget_history(digest)
+
+    async def size(self) -> tuple[int, int]:
+        """(conversations, history digests) held."""
+        return len(self._entries), len(self._history)
+
+    async def close(self) -> None:
+        if self._db:
+            self._db.close()

@@ -1,7 +1,7 @@
 """The router's view of its prefill and decode workers: health and load."""
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -16,6 +16,24 @@ class WorkerState:
     in_flight: int = 0
 
 
+@dataclass(slots=True)
+class Claim:
+    """One request's share of a worker's load, released exactly once whichever way the request ends."""
+    worker: WorkerState
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.worker.in_flight -= 1
+
+    def __enter__(self) -> "Claim":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class WorkerPool:
     def __init__(self, urls: list[str], role: str):
         self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
@@ -27,6 +45,11 @@ class WorkerPool:
     def least_loaded(self, exclude: set[str] = frozenset()) -> WorkerState | None:
         candidates = [w for w in self.healthy() if w.url not in exclude]
         return min(candidates, key=lambda w: w.in_flight, default=None)
+
+    @staticmethod
+    def claim(worker: WorkerState) -> Claim:
+        worker.in_flight += 1
+        return Claim(worker)
 
     def find(self, url: str) -> WorkerState | None:
         return next((w for w in self.workers if w.url == url), None)

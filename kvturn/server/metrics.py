@@ -1,20 +1,22 @@
 """Prometheus metrics of one worker: engine counters read at scrape time, TTFT observed per request."""
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvturn.engine.llm_engine import LLMEngine
-from kvturn.transfer.reuse_policy import DECLINE_REASONS
+from kvturn.kv_transfer.connector import ConnectorStats, KVConnector
+from kvturn.kv_transfer.policy import DECLINE_REASONS
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine, role: str):
+    def __init__(self, engine: LLMEngine, connector: KVConnector | None):
         self.engine = engine
-        self.role = role
+        self.connector = connector
 
     def collect(self):
         engine, stats = self.engine, self.engine.stats
+        kv_stats = self.connector.stats if self.connector else ConnectorStats()
         counters = {
             "kvturn_requests_finished": ("Requests finished", stats.requests_finished),
             "kvturn_prompt_tokens": ("Prompt tokens of finished requests", stats.prompt_tokens),
@@ -23,9 +25,9 @@ class EngineCollector:
                                             stats.prompt_tokens_cached),
             "kvturn_prompt_tokens_remote": ("Prompt tokens read from a peer's KV over NIXL", stats.prompt_tokens_remote),
             "kvturn_generation_tokens": ("Tokens generated", stats.generation_tokens),
-            "kvturn_kv_read_bytes": ("Bytes of KV read from peers", stats.kv_read_bytes),
-            "kvturn_kv_read_seconds": ("Seconds spent reading KV from peers", stats.kv_read_seconds),
-            "kvturn_kv_reads": ("KV reads from peers completed", stats.kv_reads),
+            "kvturn_kv_read_bytes": ("Bytes of KV read from peers", kv_stats.kv_read_bytes),
+            "kvturn_kv_read_seconds": ("Seconds spent reading KV from peers", kv_stats.kv_read_seconds),
+            "kvturn_kv_reads": ("KV reads from peers completed", kv_stats.kv_reads),
             "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
         }
         for name, (doc, value) in counters.items():
@@ -33,23 +35,26 @@ class EngineCollector:
         declines = CounterMetricFamily("kvturn_kv_reuse_declines", "Remote KV reuse declined, by reason",
                                        labels=["reason"])
         for reason in DECLINE_REASONS:
-            declines.add_metric([reason], stats.reuse_declines.get(reason, 0))
+            declines.add_metric([reason], kv_stats.reuse_declines.get(reason, 0))
         yield declines
-        leases = CounterMetricFamily("kvturn_kv_leases", "Retention leases by what ended them", labels=["event"])
-        for event, value in engine.leases.counts.items():
-            leases.add_metric([event], value)
-        yield leases
+        leases = self.connector.leases if self.connector else None
+        lease_events = CounterMetricFamily("kvturn_kv_leases", "Retention leases by what ended them",
+                                           labels=["event"])
+        for event, value in (leases.counts.items() if leases else ()):
+            lease_events.add_metric([event], value)
+        yield lease_events
         bm = engine.block_manager
         block_bytes = engine.kv_cache.layout.block_bytes
         cached_free = bm.num_cached_free_blocks
+        retained = leases.retained_blocks if leases else 0
         gauges = {
             "kvturn_kv_blocks_total": ("KV blocks in the pool", bm.num_blocks),
             "kvturn_kv_blocks_used": ("KV blocks referenced by requests or leases", bm.num_blocks - bm.num_free_blocks),
             "kvturn_kv_blocks_free": ("KV blocks free (including cached)", bm.num_free_blocks),
             "kvturn_kv_blocks_cached": ("Free KV blocks still holding a reusable prefix", cached_free),
-            "kvturn_kv_leases_active": ("Retention leases alive", engine.leases.active),
-            "kvturn_kv_retained_blocks": ("KV blocks held by retention leases", engine.leases.retained_blocks),
-            "kvturn_kv_retained_bytes": ("KV bytes held by retention leases", engine.leases.retained_blocks * block_bytes),
+            "kvturn_kv_leases_active": ("Retention leases alive", leases.active if leases else 0),
+            "kvturn_kv_retained_blocks": ("KV blocks held by retention leases", retained),
+            "kvturn_kv_retained_bytes": ("KV bytes held by retention leases", retained * block_bytes),
             "kvturn_requests_running": ("Requests running", len(engine.scheduler.running)),
             "kvturn_requests_waiting": ("Requests waiting", len(engine.scheduler.waiting)),
             "kvturn_requests_loading_kv": ("Requests waiting for a remote KV read", len(engine.scheduler.loading)),
@@ -59,9 +64,11 @@ class EngineCollector:
 
 
 class WorkerMetrics:
-    def __init__(self, engine: LLMEngine, role: str):
+    def __init__(self, engine: LLMEngine, connector: KVConnector | None):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, role))
+        self.registry.register(EngineCollector(engine, connector))
+        self.side_channel_refusals = Counter("kvturn_side_channel_refused", "Side-channel calls refused for a "
+                                             "wrong or missing cluster secret", registry=self.registry)
         self.ttft = Histogram("kvturn_time_to_first_token_seconds", "Time from arrival to first token",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.e2e = Histogram("kvturn_request_latency_seconds", "Time from arrival to last token",

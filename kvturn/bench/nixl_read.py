@@ -1,7 +1,7 @@
 """Measure NIXL READ time between two processes: raw (one descriptor) and as kvturn block reads.
 
 Used by `benchmarks/transfer.py` and by the benchmark report's ideal-speedup estimate.
-`python -m kvturn.transfer.bandwidth --serve MIB MODEL_DIR` is the remote side.
+`python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR` is the remote side.
 """
 import json
 import statistics
@@ -13,16 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvturn.engine.kv_cache import KVCache
+from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.model.config import ModelConfig
-from kvturn.transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 
 
 def make_side(model_dir: str | Path, pool_mib: int, name: str, block_size: int = 16):
     """A KV pool of the model's layout plus a raw buffer of the same size, both registered with NIXL."""
     cfg = ModelConfig.from_dir(model_dir)
-    block_bytes = cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * 4
-    kv = KVCache(cfg, max(pool_mib * 2**20 // block_bytes, 1), block_size)
+    block_bytes = KVLayout.for_model(cfg, 1, block_size).block_bytes
+    kv = KVCache(KVLayout.for_model(cfg, max(pool_mib * 2**20 // block_bytes, 1), block_size))
     kv.pool.normal_()
     agent = KVTransferAgent(kv, np.zeros(kv.layout.num_blocks, dtype=np.int64), engine_id=name)
     raw = torch.empty(pool_mib * 2**20, dtype=torch.uint8)
@@ -57,7 +57,7 @@ class ReadBench:
     """This process reads from a second process's pool and raw buffer."""
 
     def __init__(self, model_dir: str | Path, pool_mib: int):
-        self.remote = subprocess.Popen([sys.executable, "-m", "kvturn.transfer.bandwidth", "--serve", str(pool_mib),
+        self.remote = subprocess.Popen([sys.executable, "-m", "kvturn.bench.nixl_read", "--serve", str(pool_mib),
                                         str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = ""
         while not line.startswith("HELLO "):  # NIXL logs to stdout too
@@ -108,4 +108,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":
         _serve(int(sys.argv[2]), sys.argv[3])
     else:
-        sys.exit("usage: python -m kvturn.transfer.bandwidth --serve MIB MODEL_DIR")
+        sys.exit("usage: python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR")

@@ -96,17 +96,25 @@ class KVTransferAgent:
         }
 
     def add_peer(self, info: dict) -> Peer:
-        engine_id = info["engine_id"]
+        """Connect to a peer from its side-channel metadata; raises ValueError on anything malformed."""
+        try:
+            engine_id = info["engine_id"]
+            layout = KVLayout(**info["layout"])
+            pool_address, epochs_address = int(info["pool_address"]), int(info["epochs_address"])
+            metadata = base64.b64decode(info["agent_metadata"], validate=True)
+            if not isinstance(engine_id, str) or not isinstance(layout.num_blocks, int) or layout.num_blocks <= 0:
+                raise TypeError("engine_id or num_blocks")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed peer agent info: {exc!r}") from None
         if engine_id in self.peers:
             return self.peers[engine_id]
-        layout = KVLayout(**info["layout"])
         differing = self.layout.compatible_with(layout)
         if differing:
             raise LayoutMismatch(f"peer {engine_id} has a different KV layout ({', '.join(differing)}): "
                                  f"ours {self.layout}, theirs {layout}")
-        agent_name = self.agent.add_remote_agent(base64.b64decode(info["agent_metadata"]))
+        agent_name = self.agent.add_remote_agent(metadata)
         name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
-        peer = Peer(engine_id, name, int(info["pool_address"]), int(info["epochs_address"]), layout)
+        peer = Peer(engine_id, name, pool_address, epochs_address, layout)
         self.peers[engine_id] = peer
         return peer
 

@@ -31,7 +31,6 @@ class Lease:
     expiry_time: float  # wall clock, epoch seconds
     release_after_read: bool
     first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
-    reads: int = 0
 
     def to_public(self) -> dict:
         return {"handle": self.handle, "block_ids": self.block_ids, "block_hashes": self.block_hashes,
@@ -79,7 +78,6 @@ class LeaseTable:
                 return None
             if not secrets.compare_digest(lease.conversation, conversation_digest(conversation_key)):
                 return None
-            lease.reads += 1
             return lease
 
     def release(self, handle: str, binding_key: str) -> bool:

@@ -1,0 +1,93 @@
+"""OpenAI-shaped errors and strict JSON bodies, shared by worker and router: every answer is JSON, even for a
+route that does not exist, a body no JSON parser should accept, or a bug."""
+import json
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kvturn.errors")
+MAX_JSON_DEPTH = 64
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               422: "UnprocessableEntityError", 499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError"), "param": param,
+                      "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(status, message, param))
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth_ok(value, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return False
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return True
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A request body as a JSON object; BadRequest for anything else (NaN and Infinity included, which
+    Python's json accepts and no other JSON parser does, and nesting deeper than any API needs)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    if not _depth_ok(body, MAX_JSON_DEPTH):
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+    return body
+
+
+def install_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}")
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return error_response(400, message, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = {404: f"no route {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                            str(exc.detail))
+        return error_response(exc.status_code, message)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest):
+        return error_response(exc.status, str(exc), exc.param)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        request_id = uuid.uuid4().hex
+        logger.error("unhandled error in %s %s (request %s)", request.method, request.url.path, request_id,
+                     exc_info=exc)
+        return error_response(500, f"internal error {type(exc).__name__} (request {request_id}; see the log)")

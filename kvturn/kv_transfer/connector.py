@@ -1,0 +1,250 @@
+"""The engine side of the KV connector: loads a peer's blocks into a sequence, retains finished KV for a peer.
+
+The engine calls four hooks on its own thread: `on_admit` (may start a read; the sequence then waits in
+LOADING_KV while others run), `poll` (each step: finish, verify or abandon reads), `on_finish` (retain) and
+`on_abort`. A read is verified twice before its blocks count: the block hashes come from the trusted peer's
+own lease record and must match the prompt's, and after the bytes arrive the peer's block epochs are read
+again to prove it did not recycle the blocks meanwhile. Any failure recomputes.
+"""
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvturn.config import ConnectorConfig
+from kvturn.engine.block_manager import chain_hash
+from kvturn.engine.llm_engine import LLMEngine
+from kvturn.engine.scheduler import reusable_blocks
+from kvturn.engine.sequence import Sequence, Status
+from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.leases import LeaseTable
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RemoteBlocks:
+    """Blocks a peer retains for this prompt, as that peer's side channel described its own lease."""
+    peer_engine_id: str
+    block_ids: list[int]
+    block_hashes: list[int]
+    block_epochs: list[int]
+    expiry_time: float  # wall-clock epoch seconds
+    handle: str
+    num_tokens: int = 0  # tokens whose KV the blocks hold (the last block may be partial)
+    first_token_id: int | None = None  # P->D: P's sampled first token, taken when every prompt block matches
+    prefilled_for_us: bool = False  # P->D: P computed these for this request, so any block we lack is worth it
+
+
+@dataclass(slots=True)
+class RetainSpec:
+    """Keep this request's blocks after it finishes, under a lease."""
+    ttl_s: float
+    conversation_key: str
+    release_after_read: bool  # P's pin for one decode; D's lease stays readable until it expires
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    kv_reads: int = 0
+    kv_read_seconds: float = 0.0
+    kv_read_bytes: int = 0
+    reuse_declines: Counter = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    seq: Sequence
+    handle: object
+    local_ids: list[int]
+    remote_ids: list[int]
+    started: float
+    decision: policy.ReuseDecision
+    reading_epochs: bool = False
+
+
+@dataclass(slots=True)
+class AbandonedRead:
+    """A read we gave up on: its target blocks stay held until NIXL is done with them."""
+    handle: object
+    block_ids: list[int]
+
+
+class KVConnector:
+    def __init__(self, engine: LLMEngine, config: ConnectorConfig):
+        self.engine = engine
+        self.config = config
+        self.block_size = engine.block_size
+        budget_blocks = (config.retained_kv_budget_mb * 2**20 // engine.kv_cache.layout.block_bytes
+                         if config.retained_kv_budget_mb is not None else None)
+        self.leases = LeaseTable(engine.block_manager, budget_blocks)
+        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs)
+        self.stats = ConnectorStats()
+        self.loads: list[PendingLoad] = []
+        self.abandoned: list[AbandonedRead] = []
+        self._last_expiry_check = 0.0
+        engine.attach_connector(self)
+
+    @property
+    def engine_id(self) -> str:
+        return self.nixl.engine_id
+
+    def has_work(self) -> bool:
+        return bool(self.abandoned)
+
+    @property
+    def waiting_on_reads(self) -> bool:
+        return bool(self.loads)
+
+    def decline(self, seq: Sequence, reason: str) -> None:
+        seq.reuse_outcome = reason
+        self.stats.reuse_declines[reason] += 1
+
+    # ---- admission: decide, start the read
+    def on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
+        remote = seq.remote
+        if remote is None:
+            return
+        whole = list(full_hashes)
+        tail = seq.token_ids[len(whole) * self.block_size:]
+        if tail:
+            whole.append(chain_hash(whole[-1] if whole else 0, tail))
+        params = seq.params
+        must_sample_here = params.logprobs is not None or (params.seed is not None and not params.greedy)
+        prompt = policy.PromptView(len(seq), full_hashes[:reusable_blocks(len(seq), self.block_size)], whole,
+                                   seq.num_published_blocks, must_sample_here)
+        view = policy.RemoteView(remote.block_hashes, remote.num_tokens, remote.expiry_time - time.time(),
+                                 remote.first_token_id is not None, remote.peer_engine_id in self.nixl.peers)
+        threshold = 1 if remote.prefilled_for_us else self.config.kv_recompute_threshold_tokens
+        decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
+        if not decision.loads:
+            self.decline(seq, decision.reason)
+        elif not self._start_read(seq, decision):
+            self.decline(seq, policy.READ_FAILED)
+
+    def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
+        try:
+            handle = self.nixl.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
+        except Exception:
+            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
+            return False
+        seq.status = Status.LOADING_KV
+        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(), decision))
+        return True
+
+    # ---- each step: progress of reads, leases past their time
+    def poll(self) -> None:
+        now = time.time()
+        if now - self._last_expiry_check > 1.0:
+            self.leases.expire(now)
+            self._last_expiry_check = now
+        for load in list(self.loads):
+            state = self.nixl.poll(load.handle)
+            if state == IN_PROGRESS:
+                if time.perf_counter() - load.started > self.config.kv_read_timeout_s:
+                    self._fallback(load, policy.PEER_UNREACHABLE, in_flight=True)
+                continue
+            self.nixl.release(load.handle)
+            if state != DONE:
+                self._fallback(load, policy.READ_FAILED, in_flight=False)
+            elif not load.reading_epochs:
+                self._start_epoch_check(load)
+            elif self.nixl.scratch_epochs(load.local_ids) != self._expected_epochs(load):
+                self._fallback(load, policy.EPOCH_MISMATCH, in_flight=False)
+            else:
+                self._complete(load)
+        if self.abandoned:
+            self._reap_abandoned()
+
+    @staticmethod
+    def _expected_epochs(load: PendingLoad) -> list[int]:
+        return load.seq.remote.block_epochs[load.decision.load_from_block:load.decision.load_to_block]
+
+    def _start_epoch_check(self, load: PendingLoad) -> None:
+        """The blocks arrived; read their epochs again to prove the peer did not recycle them meanwhile."""
+        try:
+            load.handle = self.nixl.start_epoch_read(load.seq.remote.peer_engine_id, load.remote_ids, load.local_ids)
+            load.reading_epochs = True
+        except Exception:
+            log.warning("epoch read-back failed to start", exc_info=True)
+            self._fallback(load, policy.READ_FAILED, in_flight=False)
+
+    def _complete(self, load: PendingLoad) -> None:
+        self.loads.remove(load)
+        seq, decision = load.seq, load.decision
+        first, last = decision.load_from_block, decision.load_to_block
+        elapsed = time.perf_counter() - load.started
+        nbytes = len(load.local_ids) * self.engine.kv_cache.layout.block_bytes
+        full = min(last, len(seq) // self.block_size)
+        seq.block_hashes = seq.block_hashes[:first] + seq.remote.block_hashes[first:full]
+        seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
+        seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
+        seq.timing.kv_read_s += elapsed
+        seq.timing.kv_read_bytes += nbytes
+        seq.reuse_outcome = policy.REUSED
+        self.stats.kv_reads += 1
+        self.stats.kv_read_seconds += elapsed
+        self.stats.kv_read_bytes += nbytes
+        self.engine.finish_loading(seq)
+        if decision.whole_prompt:
+            self.engine.append_token(seq, seq.remote.first_token_id)
+
+    def _fallback(self, load: PendingLoad, reason: str, in_flight: bool) -> None:
+        """Reuse failed: recompute from the local prefix-cache hit. A read still in flight keeps its target
+        blocks (they pass to an AbandonedRead) and the sequence gets fresh ones, so a late write lands nowhere."""
+        self.loads.remove(load)
+        seq = load.seq
+        self.decline(seq, reason)
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        if in_flight:
+            self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
+            first, last = load.decision.load_from_block, load.decision.load_to_block
+            if blocks.num_free_blocks < last - first:
+                seq.block_table = seq.block_table[:first] + seq.block_table[last:]
+                scheduler.finish_loading(seq)
+                scheduler.preempt(seq)
+                return
+            seq.block_table[first:last] = [blocks.allocate_new() for _ in range(last - first)]
+        scheduler.finish_loading(seq)
+
+    def on_abort(self, seq: Sequence) -> None:
+        for load in list(self.loads):
+            if load.seq is seq:
+                self.loads.remove(load)
+                self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
+                for block_id in load.local_ids:
+                    self.engine.block_manager.take(block_id)
+
+    def _reap_abandoned(self) -> None:
+        for read in list(self.abandoned):
+            if self.nixl.poll(read.handle) == IN_PROGRESS:
+                continue
+            self.nixl.release(read.handle)
+            self.engine.block_manager.release_all(read.block_ids)
+            self.abandoned.remove(read)
+
+    # ---- finish: retention
+    def on_finish(self, seq: Sequence) -> None:
+        """Lease the finished sequence's blocks. D keeps its full blocks for the next turn's prefill; P pins
+        every prompt block, the partial last one included (hashed over its tokens), with its sampled token,
+        so D can start decoding without recomputing the prompt's tail."""
+        spec = seq.retain
+        if spec is None:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        blocks, hashes, tokens = seq.block_table[:full], seq.block_hashes[:full], full * self.block_size
+        first_token = None
+        if spec.release_after_read:
+            first_token = seq.output_token_ids[0] if seq.num_output_tokens else None
+            tail = seq.token_ids[full * self.block_size:seq.num_computed_tokens]
+            if tail:
+                blocks = seq.block_table[:full + 1]
+                hashes = hashes + [chain_hash(hashes[-1] if hashes else 0, tail)]
+                tokens = seq.num_computed_tokens
+        lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
+                                   spec.release_after_read, first_token)
+        if lease is not None:
+            seq.retained = lease.to_public()

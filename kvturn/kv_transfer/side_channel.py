@@ -1,0 +1,160 @@
+"""The side channel between workers: NIXL metadata and lease acquire/release over HTTP, behind the cluster secret.
+
+`mount` adds the endpoints a worker serves to its peers; `PeerClient` calls them on a peer. The client sends
+the cluster secret, so it only ever talks to a peer it trusts (`may_contact`), and it believes nothing a
+peer answers until `parse_lease` has checked it: a peer's reply becomes a `RemoteBlocks` or a decline reason.
+"""
+import logging
+import secrets
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from kvturn.errors import error_response
+from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
+from kvturn.kv_transfer.params import RemoteRef
+
+log = logging.getLogger(__name__)
+SECRET_HEADER = "X-Kvturn-Cluster-Secret"
+
+
+def has_secret(request: Request, secret: str | None) -> bool:
+    """Whether the caller proved it belongs to the cluster (always true when the cluster has no secret)."""
+    return secret is None or secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), secret)
+
+
+def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> list[int] | None:
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and low <= v < high for v in value):
+        return None
+    return value
+
+
+def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, block_size: int,
+                vocab_size: int) -> RemoteBlocks | None:
+    """A peer's account of its lease, checked field by field; None if anything is off."""
+    if not isinstance(payload, dict):
+        return None
+    block_ids = _ints(payload.get("block_ids"), high=peer_pool_blocks)
+    if not block_ids:
+        return None
+    hashes = _ints(payload.get("block_hashes"), len(block_ids))
+    epochs = _ints(payload.get("block_epochs"), len(block_ids))
+    expiry, num_tokens = payload.get("expiry_time"), payload.get("num_tokens")
+    first_token = payload.get("first_token_id")
+    if hashes is None or epochs is None or isinstance(expiry, bool) or not isinstance(expiry, (int, float)):
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+        return None
+    if not (len(block_ids) - 1) * block_size < num_tokens <= len(block_ids) * block_size:
+        return None
+    if first_token is not None and (isinstance(first_token, bool) or not isinstance(first_token, int)
+                                    or not 0 <= first_token < vocab_size):
+        return None
+    return RemoteBlocks(engine_id, block_ids, hashes, epochs, float(expiry), handle, num_tokens=num_tokens,
+                        first_token_id=first_token)
+
+
+class PeerClient:
+    def __init__(self, cluster_secret: str | None, timeout_s: float, trusted_peers: list[str]):
+        headers = {SECRET_HEADER: cluster_secret} if cluster_secret else {}
+        self.open_cluster = cluster_secret is None
+        self.trusted = set(trusted_peers)
+        self.http = httpx.AsyncClient(headers=headers, timeout=timeout_s)
+        self.known: dict[str, dict] = {}  # address -> the peer's agent info
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def may_contact(self, ref: RemoteRef, caller_has_secret: bool) -> bool:
+        """A peer named by a caller of the cluster, or given at start-up; never one an outsider names."""
+        return self.open_cluster or caller_has_secret or ref.address in self.trusted
+
+    async def agent_info(self, ref: RemoteRef, refresh: bool = False) -> dict:
+        if refresh or ref.address not in self.known:
+            response = await self.http.get(f"http://{ref.address}/kv/agent")
+            response.raise_for_status()
+            info = response.json()
+            if not isinstance(info, dict) or not isinstance(info.get("engine_id"), str):
+                raise ValueError("the peer's agent info has no engine_id")
+            self.known[ref.address] = info
+        return self.known[ref.address]
+
+    async def acquire(self, ref: RemoteRef, engine_id: str, peer_pool_blocks: int, block_size: int,
+                      vocab_size: int) -> RemoteBlocks | str:
+        """The peer's authoritative view of the lease, or a decline reason."""
+        try:
+            response = await self.http.post(f"http://{ref.address}/kv/lease/acquire",
+                                            json={"handle": ref.handle, "binding_key": ref.binding_key})
+        except httpx.HTTPError:
+            return policy.PEER_UNREACHABLE
+        if response.status_code == 404:
+            return policy.LEASE_UNKNOWN
+        if response.status_code != 200:
+            return policy.PEER_UNREACHABLE
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        lease = parse_lease(payload, engine_id, ref.handle, peer_pool_blocks, block_size, vocab_size)
+        if lease is None:
+            log.warning("peer %s answered a malformed lease; recomputing", ref.address)
+            return policy.BAD_PEER_REPLY
+        return lease
+
+    async def release(self, ref: RemoteRef) -> None:
+        try:
+            await self.http.post(f"http://{ref.address}/kv/lease/release",
+                                 json={"handle": ref.handle, "binding_key": ref.binding_key})
+        except httpx.HTTPError:
+            log.info("could not release lease at %s; it expires on its own", ref.address)
+
+
+def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_refused, run_on_engine) -> None:
+    """The endpoints a worker serves to its peers. `run_on_engine(fn)` awaits `fn` run on the engine thread."""
+
+    def refused(request: Request) -> JSONResponse | None:
+        if connector is None:
+            return error_response(404, "this worker does not transfer KV")
+        if not has_secret(request, secret):
+            on_refused()
+            return error_response(403, "wrong or missing cluster secret")
+        return None
+
+    async def lease_request(request: Request) -> tuple[str, str] | JSONResponse:
+        """(handle, binding_key) of an authorised lease call, or the error response."""
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            data = await request.json()
+            handle, key = data["handle"], data["binding_key"]
+            if not isinstance(handle, str) or not isinstance(key, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return error_response(400, "expected {handle: str, binding_key: str}")
+        return handle, key
+
+    @app.get("/kv/agent")
+    async def agent(request: Request):
+        return refused(request) or JSONResponse(connector.nixl.local_info())
+
+    @app.post("/kv/lease/acquire")
+    async def acquire(request: Request):
+        parsed = await lease_request(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        lease = connector.leases.lookup(*parsed)
+        if lease is None:
+            return error_response(404, "no live lease with that handle for that key")
+        return JSONResponse(lease.to_public())
+
+    @app.post("/kv/lease/release")
+    async def release(request: Request):
+        parsed = await lease_request(request)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        released = await run_on_engine(lambda: connector.leases.release(*parsed))
+        return {"released": released}

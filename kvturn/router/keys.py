@@ -1,0 +1,72 @@
+"""Which conversation a request belongs to, and whose it is.
+
+A conversation id comes, in this order of precedence, from the body's `conversation_id`, the header
+`X-Conversation-Id`, or vLLM's `X-Session-ID`; a chat request without any is named by its history: the
+router remembers the hash of each turn's history plus the answer it returned, and a later request whose
+messages extend such a history continues that conversation. Ids are strings of at most 256 characters,
+never truncated. With API keys, every id lives in its key's own namespace (`scope`), so one tenant can
+neither reach nor probe another's conversations.
+"""
+import hashlib
+import json
+from dataclasses import dataclass
+
+from kvturn.errors import BadRequest
+
+MAX_ID_CHARS = 256
+ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKey:
+    client_id: str  # what the client named (or the derived id), shown back to it
+    key: str  # the id within the caller's scope: what the table and the workers see
+    derived: bool
+
+
+def scope_of(api_key: str | None) -> str:
+    """The namespace of a caller: a digest of its API key (never the key itself), or the shared one."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else "public"
+
+
+def explicit_id(body: dict, headers) -> str | None:
+    """The conversation id the client named, validated as the worker validates it."""
+    value = body.pop("conversation_id", None)
+    source = "conversation_id"
+    if value is None:
+        for header in ID_HEADERS:
+            if headers.get(header) is not None:
+                value, source = headers.get(header), header
+                break
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise BadRequest(f"{source} must be a non-empty string", param="conversation_id")
+    if len(value) > MAX_ID_CHARS:
+        raise BadRequest(f"{source} is {len(value)} characters; at most {MAX_ID_CHARS}", param="conversation_id")
+    return value
+
+
+def _message_bytes(message) -> bytes:
+    if not isinstance(message, dict):
+        raise BadRequest("messages must be a list of {role, content} objects", param="messages")
+    return json.dumps([message.get("role"), message.get("content")], separators=(",", ":"), ensure_ascii=False,
+                      sort_keys=True).encode()
+
+
+class History:
+    """Digests of a chat history: `digests[i]` names `messages[:i + 1]`. Each chains on the one before, so all of
+    them cost one pass over the messages (linear in the history's size, not quadratic)."""
+
+    def __init__(self, scope: str, messages: list):
+        self._running = hashlib.sha256(scope.encode())
+        self.digests: list[str] = []
+        for message in messages:
+            self._running.update(hashlib.sha256(_message_bytes(message)).digest())
+            self.digests.append(self._running.copy().hexdigest())
+
+    def extended(self, message: dict) -> str:
+        """The digest of this history followed by `message` (what the next turn's history will start with)."""
+        running = self._running.copy()
+        running.update(hashlib.sha256(_message_bytes(message)).digest())
+        return running.hexdigest()

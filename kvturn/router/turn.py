@@ -1,0 +1,252 @@
+"""One turn of a conversation through the router: look up the conversation, prefill (handing P the decode
+worker's lease so it can read the history back), decode (streamed or whole), and remember the new lease."""
+import json
+import logging
+import time
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvturn.errors import error_body, error_response
+from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
+from kvturn.router.conversations import Conversation
+from kvturn.router.keys import ConversationKey, History
+from kvturn.router.workers import Claim, WorkerState
+
+log = logging.getLogger("kvturn.router")
+LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED)
+
+
+class UpstreamError(Exception):
+    def __init__(self, response: Response):
+        self.response = response
+
+
+class Turn:
+    def __init__(self, router, path: str, chat: bool, body: dict, conversation: ConversationKey | None,
+                 history: History | None, want_kv: bool):
+        self.router, self.path, self.chat, self.body = router, path, chat, body
+        self.conversation, self.history, self.want_kv = conversation, history, want_kv
+        self.key = conversation.key if conversation else None
+        self.entry: Conversation | None = None
+        self.prefill: dict = {}
+        self.prefill_url = ""
+        self.prefill_round_trip_s = 0.0
+
+    async def run(self) -> Response:
+        router = self.router
+        missed_because = None
+        if self.key:
+            self.entry, missed_because = await router.table.lookup(self.key)
+        router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
+        started = time.perf_counter()
+        try:
+            self.prefill, self.prefill_url = await self.run_prefill()
+        except UpstreamError as exc:
+            router.metrics.requests.labels("prefill_error").inc()
+            return exc.response
+        self.prefill_round_trip_s = time.perf_counter() - started
+        p_kvturn = self.prefill.setdefault("kvturn", {})
+        if missed_because and p_kvturn.get("reuse") is None:
+            p_kvturn["reuse"] = missed_because  # the lease ended before this turn came
+        reuse = p_kvturn.get("reuse")
+        router.metrics.reuse.labels(str(reuse)).inc()
+        if self.entry is not None and reuse in LEASE_GONE:
+            await router.table.drop(self.key)  # nothing left to read there; keep no stale entry
+        d_body = {**self.body, "kv_transfer_params": self.prefill.get("kv_transfer_params")}
+        if self.key is not None:
+            d_body["conversation_id"] = self.key
+        if self.body.get("stream"):
+            return await self.stream_decode(d_body)
+        return await self.complete_decode(d_body)
+
+    async def run_prefill(self) -> tuple[dict, str]:
+        """Call a prefill worker; returns (its JSON, its URL). Retries another P, and once without reuse."""
+        router = self.router
+        tried: set[str] = set()
+        lease = self.entry.kv_params if self.entry else None
+        while True:
+            worker = router.prefill.least_loaded(tried)
+            if worker is None:
+                raise UpstreamError(error_response(503, "no prefill worker is available"))
+            kv = KVTransferParams.parse(lease).for_next_prefill() if lease else {"do_remote_decode": True,
+                                                                                   "do_remote_prefill": False}
+            p_body = {**self.body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
+            p_body.pop("stream_options", None)
+            if "max_completion_tokens" in p_body:
+                p_body["max_completion_tokens"] = 1
+            if self.key is not None:
+                p_body["conversation_id"] = self.key
+            with router.prefill.claim(worker):
+                try:
+                    response = await router.http.post(worker.url + self.path, json=p_body)
+                except httpx.HTTPError:
+                    router.prefill.mark_dead(worker)
+                    tried.add(worker.url)
+                    router.metrics.retries.labels("prefill_unreachable").inc()
+                    continue
+            if response.status_code == 200:
+                return response.json(), worker.url
+            if response.status_code < 500:
+                raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
+            if lease is not None:
+                lease = None
+                router.metrics.retries.labels("prefill_failed_with_reuse").inc()
+                continue
+            tried.add(worker.url)
+            router.metrics.retries.labels("prefill_failed").inc()
+
+    def pick_decode(self, exclude: set[str]) -> WorkerState | None:
+        router, entry = self.router, self.entry
+        if entry is not None and entry.decode_url not in exclude:
+            holder = router.decode.find(entry.decode_url)
+            if holder and holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode:
+                return holder
+        return router.decode.least_loaded(exclude)
+
+    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response]:
+        """Send the turn to a decode worker (another one if the first cannot be reached)."""
+        router = self.router
+        tried: set[str] = set()
+        while True:
+            worker = self.pick_decode(tried)
+            if worker is None:
+                raise UpstreamError(error_response(503, "no decode worker is available"))
+            claim = router.decode.claim(worker)
+            try:
+                request = router.http.build_request("POST", worker.url + self.path, json=d_body)
+                return claim, await router.http.send(request, stream=stream)
+            except httpx.HTTPError:
+                claim.release()
+                router.decode.mark_dead(worker)
+                tried.add(worker.url)
+                router.metrics.retries.labels("decode_unreachable").inc()
+
+    async def remember(self, decode_url: str, kv: dict | None, answer: str | None) -> None:
+        if self.key is None:
+            return
+        router = self.router
+        try:
+            params = KVTransferParams.parse(kv)
+        except BadKVParams:
+            params = KVTransferParams()
+        messages = self.body.get("messages")
+        order = len(messages) if isinstance(messages, list) else 0
+        if params.handle:
+            await router.table.put(Conversation(self.key, decode_url, kv, 0.0, order))
+        else:
+            await router.table.drop(self.key)  # the old lease is superseded or gone
+        if self.history is not None and answer is not None:
+            digest = self.history.extended({"role": "assistant", "content": answer})
+            await router.table.remember_history(digest, self.key)
+
+    def decode_refused(self, content: bytes, status: int) -> Response:
+        """D answered with an error: pass it on. The conversation keeps its previous lease, which is still
+        valid on a live D, so a retried turn can reuse it."""
+        self.router.metrics.requests.labels("decode_error").inc()
+        return Response(content, status, media_type="application/json")
+
+    def merged_kvturn(self, decode: dict | None, decode_url: str) -> dict:
+        """One timing breakdown for the turn, from P's and D's own accounts."""
+        prefill = self.prefill.get("kvturn") or {}
+        p_timing, d_timing = prefill.get("timing", {}), (decode or {}).get("timing", {})
+        return {
+            "conversation_id": self.conversation.client_id if self.conversation else None,
+            "prefill_worker": self.prefill_url,
+            "decode_worker": decode_url,
+            "reuse": prefill.get("reuse"),
+            "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
+            "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),
+            "prompt_tokens_cached_prefill": prefill.get("prompt_tokens_cached"),
+            "bytes_d_to_p": prefill.get("kv_read_bytes", 0),
+            "bytes_p_to_d": (decode or {}).get("kv_read_bytes", 0),
+            "timing": {
+                "prefill_request_ms": self.prefill_round_trip_s * 1e3,
+                "queue_ms": p_timing.get("queue_ms"),
+                "d_to_p_read_ms": p_timing.get("kv_read_ms"),
+                "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
+                "p_to_d_read_ms": d_timing.get("kv_read_ms"),
+                "decode_ttft_ms": d_timing.get("ttft_ms"),
+            },
+            "decode": decode,
+            "prefill_timing": p_timing,
+        }
+
+    async def complete_decode(self, d_body: dict) -> Response:
+        router = self.router
+        try:
+            claim, response = await self.open_decode(d_body, stream=False)
+        except UpstreamError as exc:
+            router.metrics.requests.labels("decode_error").inc()
+            return exc.response
+        claim.release()
+        if response.status_code != 200:
+            return self.decode_refused(response.content, response.status_code)
+        result = response.json()
+        kv = result.pop("kv_transfer_params", None)
+        choice = (result.get("choices") or [{}])[0]
+        answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
+        await self.remember(claim.worker.url, kv, answer)
+        result["kvturn"] = self.merged_kvturn(result.get("kvturn"), claim.worker.url)
+        if self.want_kv and kv is not None:
+            result["kv_transfer_params"] = kv
+        router.metrics.requests.labels("ok").inc()
+        return JSONResponse(result)
+
+    async def stream_decode(self, d_body: dict) -> Response:
+        router = self.router
+        try:
+            claim, response = await self.open_decode(d_body, stream=True)
+        except UpstreamError as exc:
+            router.metrics.requests.labels("decode_error").inc()
+            return exc.response
+        if response.status_code != 200:
+            claim.release()
+            content = await response.aread()
+            await response.aclose()
+            return self.decode_refused(content, response.status_code)
+        return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
+                                 background=BackgroundTask(self.close_stream, claim, response))
+
+    async def close_stream(self, claim: Claim, response: httpx.Response) -> None:
+        """Runs after the response, even when the client left before the relay began."""
+        claim.release()
+        await response.aclose()
+
+    async def relay(self, claim: Claim, response: httpx.Response):
+        router, worker_url = self.router, claim.worker.url
+        answer, kv, finished = [], None, False
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    # Record the lease before the last write: a client may hang up right after [DONE].
+                    finished = True
+                    await self.remember(worker_url, kv, "".join(answer))
+                    router.metrics.requests.labels("ok").inc()
+                    yield "data: [DONE]\n\n"
+                    continue
+                chunk = json.loads(payload)
+                for choice in chunk.get("choices") or []:
+                    answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
+                                  else choice.get("text") or "")
+                if "kv_transfer_params" in chunk:
+                    kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
+                if "kvturn" in chunk:
+                    chunk["kvturn"] = self.merged_kvturn(chunk["kvturn"], worker_url)
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
+            error = error_body(503, "the decode worker failed mid-stream")
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            claim.release()
+            if not finished:
+                if self.key:
+                    await router.table.drop(self.key)
+                router.metrics.requests.labels("decode_error").inc()
+            await response.aclose()

@@ -1,0 +1,236 @@
+"""One worker: engine + KV connector, and turning an OpenAI request into a sequence the engine runs.
+
+Role `prefill` computes prompts and pins their blocks for a decode worker; role `decode` reads them, decodes,
+and (with bidirectional transfer) retains the finished turn's blocks for the next turn's prefill; role `both`
+is the colocated baseline.
+"""
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import httpx
+
+from kvturn.config import WorkerConfig
+from kvturn.engine.async_engine import AsyncEngine
+from kvturn.engine.llm_engine import LLMEngine
+from kvturn.engine.sampling import SamplingParams
+from kvturn.engine.sequence import Sequence
+from kvturn.errors import BadRequest
+from kvturn.kv_transfer import params as kv_params
+from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
+from kvturn.kv_transfer.nixl_agent import LayoutMismatch
+from kvturn.kv_transfer.side_channel import PeerClient
+from kvturn.model.loader import load_model
+from kvturn.model.tokenizer import ChatTokenizer
+from kvturn.server.metrics import WorkerMetrics
+from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("kvturn.worker")
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.tokenizer = ChatTokenizer(config.model_dir)
+        model = load_model(config.model_dir)
+        self.model_name = config.served_model_name or Path(config.model_dir).name
+        self.vocab_size = model.config.vocab_size
+        eos = set(model.config.eos_token_ids) | {self.tokenizer.eos_token_id}
+        self.engine = LLMEngine(model, config.engine, emit=lambda out: None, detokenize=self.tokenizer.decode,
+                                eos_token_ids=eos)
+        self.connector = KVConnector(self.engine, config.connector) if config.transfers_kv else None
+        self.async_engine = AsyncEngine(self.engine)
+        self.metrics = WorkerMetrics(self.engine, self.connector)
+        connector_config = config.connector
+        self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
+                                connector_config.trusted_peers)
+        self.advertise_host = config.advertise_host or config.host
+        if connector_config.cluster_secret is None:
+            log.warning("no cluster secret: this worker trusts any caller that can reach it with kv_transfer_params "
+                        "and its side channel, as vLLM's servers trust their network. Set KVTURN_CLUSTER_SECRET "
+                        "(kvturn serve makes one per stack).")
+
+    @property
+    def engine_id(self) -> str:
+        return self.connector.engine_id if self.connector else "colocated"
+
+    def chat_prompt(self, messages) -> str:
+        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            return self.tokenizer.encode(self.chat_prompt(body.messages))
+        if isinstance(body.prompt, str):
+            return self.tokenizer.encode(body.prompt)
+        self.check_token_ids(body.prompt, "prompt")
+        return list(body.prompt)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise BadRequest(f"{param} token ids must lie in [0, {self.vocab_size})", param=param)
+
+    def sampling_params(self, body, num_prompt_tokens: int) -> SamplingParams:
+        max_model_len = self.engine.max_model_len
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest(f"The model `{body.model}` does not exist.", status=404, param="model")
+        if body.echo:
+            raise BadRequest("echo is not supported", param="echo")
+        try:
+            num_logprobs = body.num_logprobs
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="top_logprobs")
+        if num_logprobs is not None and num_logprobs > self.config.max_logprobs:
+            raise BadRequest(f"at most {self.config.max_logprobs} logprobs per token", param="logprobs")
+        if num_prompt_tokens == 0:
+            raise BadRequest("the prompt is empty", param="prompt")
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if num_prompt_tokens >= max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                             f"has {num_prompt_tokens} tokens.", param="messages")
+        if max_tokens is None:
+            max_tokens = max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                             f"in the completion). Please reduce the length of the prompt or completion.",
+                             param="max_tokens")
+        blocks = -(-(num_prompt_tokens + 1) // self.engine.block_size)
+        if blocks > self.engine.max_prompt_blocks:
+            raise BadRequest(f"the prompt needs {blocks} KV blocks but this worker's pool holds "
+                             f"{self.engine.max_prompt_blocks}", param="messages")
+        self.check_token_ids(body.stop_token_ids, "stop_token_ids")
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(body.top_k, 0), seed=body.seed, stop=body.stop or [],
+                              stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=num_logprobs)
+
+    async def resolve_remote(self, ref: kv_params.RemoteRef, prefilled_for_us: bool) -> RemoteBlocks | str:
+        """Handshake with the peer if needed and get its own account of the lease; a reason string on failure."""
+        nixl = self.connector.nixl
+        try:
+            info = await self.peers.agent_info(ref)
+            if ref.engine_id and info["engine_id"] != ref.engine_id:
+                stale = info["engine_id"]
+                info = await self.peers.agent_info(ref, refresh=True)
+                if info["engine_id"] != stale:  # the peer at this address restarted: drop its old NIXL agent
+                    await self.async_engine.call(lambda: nixl.forget_peer(stale))
+        except (httpx.HTTPError, ValueError):
+            return policy.PEER_UNREACHABLE
+        if ref.engine_id and info["engine_id"] != ref.engine_id:
+            return policy.LEASE_UNKNOWN  # the peer restarted: its leases died with it
+        try:
+            peer = await self.async_engine.call(lambda: nixl.add_peer(info))
+        except LayoutMismatch as exc:
+            log.error("refusing peer %s: %s", ref.address, exc)
+            return policy.LAYOUT_MISMATCH
+        except ValueError as exc:
+            log.warning("peer %s sent malformed agent info: %s", ref.address, exc)
+            return policy.BAD_PEER_REPLY
+        except Exception:
+            log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
+            return policy.PEER_UNREACHABLE
+        remote = await self.peers.acquire(ref, peer.engine_id, peer.layout.num_blocks, self.engine.block_size,
+                                          self.vocab_size)
+        if isinstance(remote, RemoteBlocks):
+            remote.prefilled_for_us = prefilled_for_us
+        return remote
+
+    async def prepare(self, body, conversation_key: str | None, caller_has_secret: bool, request_id: str,
+                      arrival: float) -> tuple[Sequence, kv_params.KVPlan]:
+        prompt = self.prompt_ids(body)
+        tokenized = time.perf_counter()
+        params = self.sampling_params(body, len(prompt))
+        try:
+            plan = kv_params.plan(body.kv_transfer_params, conversation_key)
+        except kv_params.BadKVParams as exc:
+            raise BadRequest(str(exc), param="kv_transfer_params")
+        role, connector = self.config.role, self.connector
+        retain = None
+        if plan.prefill_for_remote_decode:
+            if role == "decode" or connector is None:
+                raise BadRequest("this worker cannot prefill for a remote decode (role "
+                                 f"{role}, transfer {'on' if connector else 'off'})", param="kv_transfer_params")
+            params.max_tokens = 1
+            retain = RetainSpec(self.config.connector.kv_pin_timeout_s, request_id, release_after_read=True)
+        elif role == "prefill":
+            raise BadRequest("this is a prefill worker: send kv_transfer_params.do_remote_decode=true",
+                             param="kv_transfer_params")
+        elif self.config.bidirectional and conversation_key:
+            retain = RetainSpec(self.config.connector.decoder_kv_blocks_ttl_s, conversation_key,
+                                release_after_read=False)
+        remote, declined, side_channel_s = None, None, 0.0
+        reads_remote = plan.remote is not None and (self.config.bidirectional or not plan.prefill_for_remote_decode)
+        if reads_remote:  # D->P reads need --bidirectional on this worker; P->D reads always happen
+            if connector is None:
+                declined = policy.PEER_UNREACHABLE
+            elif not self.peers.may_contact(plan.remote, caller_has_secret):
+                log.warning("request %s named peer %s without the cluster secret; computing instead", request_id,
+                            plan.remote.address)
+                declined = policy.UNTRUSTED_PEER
+                plan = kv_params.KVPlan(plan.prefill_for_remote_decode, None)  # nothing to release there either
+            else:
+                resolve_started = time.perf_counter()
+                resolved = await self.resolve_remote(plan.remote, prefilled_for_us=not plan.prefill_for_remote_decode)
+                side_channel_s = time.perf_counter() - resolve_started
+                if isinstance(resolved, str):
+                    declined = resolved
+                else:
+                    remote = resolved
+        seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
+        seq.timing.arrival = arrival
+        seq.timing.tokenize_s = tokenized - arrival
+        seq.timing.side_channel_s = side_channel_s
+        if declined:
+            seq.reuse_outcome = declined
+            if connector is not None:
+                self.engine.call_soon(lambda: connector.stats.reuse_declines.update([declined]))
+        return seq, plan
+
+    def response_kv_params(self, seq: Sequence) -> dict | None:
+        if seq.retained is None:
+            return None
+        return kv_params.retention_params(seq.retained, self.engine_id, seq.request_id, self.advertise_host,
+                                          self.config.port, for_decode=seq.retain.release_after_read)
+
+    def kvturn_fields(self, seq: Sequence) -> dict:
+        t = seq.timing
+        ttft = (t.first_token - t.arrival) if t.first_token else 0.0
+        return {
+            "role": self.config.role,
+            "engine_id": self.engine_id,
+            "prompt_tokens_computed": seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens,
+            "prompt_tokens_cached": seq.num_cached_tokens,
+            "prompt_tokens_remote": seq.num_remote_tokens,
+            "reuse": seq.reuse_outcome,
+            "kv_read_bytes": t.kv_read_bytes,
+            "timing": {
+                "ttft_ms": ttft * 1e3,
+                "kv_read_ms": t.kv_read_s * 1e3,
+                "prefill_compute_ms": t.prefill_compute_s * 1e3,
+                "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
+                "tokenize_ms": t.tokenize_s * 1e3,
+                "side_channel_ms": t.side_channel_s * 1e3,
+                "engine_wait_ms": ((t.first_scheduled or t.arrival) - (t.submitted or t.arrival)) * 1e3,
+            },
+        }
+
+    def usage(self, seq: Sequence) -> dict:
+        return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
+                "total_tokens": len(seq),
+                "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens + seq.num_remote_tokens}}
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in token_ids]
+
+    def release_pin_once(self, plan: kv_params.KVPlan, released: list[bool]) -> None:
+        """D tells P it no longer needs P's pinned prompt blocks (after the read, or when giving up)."""
+        if plan.remote is not None and not plan.prefill_for_remote_decode and not released[0]:
+            released[0] = True
+            asyncio.get_running_loop().create_task(self.peers.release(plan.remote))
+
+    def observe(self, seq: Sequence) -> None:
+        t = seq.timing
+        if t.first_token:
+            self.metrics.ttft.observe(t.first_token - t.arrival)
+        self.metrics.e2e.observe(time.perf_counter() - t.arrival)

@@ -1,0 +1,54 @@
+"""kv_transfer_params: vLLM NixlConnector's fields in, kvturn's out, and nothing malformed accepted."""
+import pytest
+
+from kvturn.kv_transfer.params import BadKVParams, KVTransferParams, plan, retention_params
+
+VLLM_DECODE_RESULT = {  # what vLLM's decode worker returns after a normal finish (bidirectional mode)
+    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[4, 5, 6]],
+    "remote_engine_id": "0f6a-engine", "remote_request_id": "cmpl-abc-0", "remote_host": "10.0.0.2",
+    "remote_port": 5600, "tp_size": 1, "remote_num_tokens": 41, "remote_blocks_expiry_time": 12345.5,
+    "transfer_mode": "pull", "some_future_field": {"x": 1},
+}
+
+
+def test_vllm_fields_parse_and_round_trip():
+    params = KVTransferParams.parse(VLLM_DECODE_RESULT)
+    assert params.remote_block_ids == [4, 5, 6] and params.remote_num_tokens == 41 and params.names_peer
+    out = params.to_json()
+    assert {k: v for k, v in VLLM_DECODE_RESULT.items() if k != "some_future_field"} == out
+    assert KVTransferParams.parse(out) == params
+
+
+def test_for_next_prefill_flips_the_direction_and_can_cap_the_tokens():
+    out = KVTransferParams.parse(VLLM_DECODE_RESULT).for_next_prefill(remote_num_tokens=32)
+    assert out["do_remote_decode"] is True and out["do_remote_prefill"] is False
+    assert out["remote_num_tokens"] == 32 and out["remote_block_ids"] == [[4, 5, 6]]
+
+
+def test_kvturn_retention_params_carry_hashes_epochs_and_handle():
+    lease = {"handle": "h", "block_ids": [1, 2], "block_hashes": [11, 22], "block_epochs": [3, 4],
+             "num_tokens": 32, "expiry_time": 99.0}
+    out = retention_params(lease, "engine", "req", "127.0.0.1", 8100, for_decode=False)
+    parsed = KVTransferParams.parse(out)
+    assert parsed.do_remote_decode and not parsed.do_remote_prefill
+    assert (parsed.remote_block_hashes, parsed.remote_block_epochs, parsed.handle) == ([11, 22], [3, 4], "h")
+    assert out["remote_block_ids"] == [[1, 2]]
+
+
+@pytest.mark.parametrize("bad", [
+    "not an object", {"remote_port": "80"}, {"remote_port": 70000}, {"remote_block_ids": [1, "2"]},
+    {"remote_block_ids": [True]}, {"remote_blocks_expiry_time": float("nan")}, {"handle": 5},
+    {"do_remote_decode": True, "do_remote_prefill": True}, {"remote_num_tokens": 1.5},
+])
+def test_malformed_params_are_refused(bad):
+    with pytest.raises(BadKVParams):
+        KVTransferParams.parse(bad)
+
+
+def test_a_plan_binds_a_decode_lease_to_the_conversation_and_a_pin_to_the_request():
+    lease = {"remote_host": "h", "remote_port": 1, "handle": "x", "remote_request_id": "p-req"}
+    assert plan({**lease, "do_remote_decode": True}, "conv").remote.binding_key == "conv"
+    assert plan({**lease, "do_remote_prefill": True}, "conv").remote.binding_key == "p-req"
+    assert plan({**lease, "do_remote_decode": True}, None).remote is None  # no conversation: nothing to read
+    with pytest.raises(BadKVParams, match="remote_host"):
+        plan({"do_remote_prefill": True}, "conv")
