@@ -111,14 +111,14 @@ class Router:
         elif chat:
             raise BadRequest("messages must be a list of {role, content} objects", param="messages")
         if client_id is not None:
-            return keys.ConversationKey(client_id, f"{scope}:{client_id}", derived=False), history
+            return keys.ConversationKey(client_id, keys.scoped(scope, client_id), derived=False), history
         if history is None or not history.digests:
             return None, history
         found = await self.table.find_history(history.digests[:-1])
         if found is not None:
             return keys.ConversationKey(found.partition(":")[2], found, derived=True), history
         derived = "derived-" + history.digests[-1][:32]
-        return keys.ConversationKey(derived, f"{scope}:{derived}", derived=True), history
+        return keys.ConversationKey(derived, keys.scoped(scope, derived), derived=True), history
 
 
 def create_app(config: RouterConfig) -> FastAPI:

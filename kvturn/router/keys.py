@@ -24,6 +24,12 @@ class ConversationKey:
     derived: bool
 
 
+def scoped(scope: str, client_id: str) -> str:
+    """The key the table and the workers see: fixed length whatever the id (workers take at most 256 characters),
+    distinct for ids that differ anywhere, and in the caller's namespace."""
+    return f"{scope}:{hashlib.sha256(client_id.encode()).hexdigest()[:48]}"
+
+
 def scope_of(api_key: str | None) -> str:
     """The namespace of a caller: a digest of its API key (never the key itself), or the shared one."""
     return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else "public"

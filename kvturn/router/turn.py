@@ -67,8 +67,11 @@ class Turn:
         router = self.router
         tried: set[str] = set()
         lease = self.entry.kv_params if self.entry else None
+        failed: httpx.Response | None = None  # the last 5xx, passed on when no worker is left to try
         while True:
             worker = router.prefill.least_loaded(tried)
+            if worker is None and failed is not None:
+                raise UpstreamError(Response(failed.content, failed.status_code, media_type="application/json"))
             if worker is None:
                 raise UpstreamError(error_response(503, "no prefill worker is available"))
             kv = KVTransferParams.parse(lease).for_next_prefill() if lease else {"do_remote_decode": True,
@@ -96,6 +99,7 @@ class Turn:
                 router.metrics.retries.labels("prefill_failed_with_reuse").inc()
                 continue
             tried.add(worker.url)
+            failed = response
             router.metrics.retries.labels("prefill_failed").inc()
 
     def pick_decode(self, exclude: set[str]) -> WorkerState | None:

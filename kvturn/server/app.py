@@ -51,29 +51,27 @@ class Generation:
         self.worker, self.seq, self.plan, self.chat, self.base = worker, seq, plan, chat, base
         self.text = TextStream(worker.tokenizer.decode, seq.params.stop)
         self.released = [False]
-        self.tokens: list[str] = []
-        self.logprobs: list = []
+        self.logprobs: list = []  # (token, logprob, [(alternative, logprob)...]) per generated token
         self.text_offset = 0
 
     def add_logprobs(self, out) -> dict | None:
         """The logprobs of `out`'s tokens in the API's shape, remembering them for the whole answer."""
         if out.logprobs is None:
             return None
-        tokens = self.worker.token_strings(out.new_token_ids)
-        self.tokens += tokens
-        self.logprobs += out.logprobs
+        text = self.worker.token_text
+        entries = [(text(token_id), lp.logprob, [(text(alt), value) for alt, value in lp.top])
+                   for token_id, lp in zip(out.new_token_ids, out.logprobs)]
+        self.logprobs += entries
         if self.chat:
-            return openai.chat_logprobs(tokens, out.logprobs)
-        shaped = openai.completion_logprobs(tokens, out.logprobs, self.text_offset)
-        self.text_offset += sum(len(t) for t in tokens)
+            return openai.chat_logprobs(entries)
+        shaped = openai.completion_logprobs(entries, self.text_offset)
+        self.text_offset += sum(len(token) for token, _, _ in entries)
         return shaped
 
     def all_logprobs(self) -> dict | None:
         if self.seq.params.logprobs is None:
             return None
-        if self.chat:
-            return openai.chat_logprobs(self.tokens, self.logprobs)
-        return openai.completion_logprobs(self.tokens, self.logprobs, 0)
+        return openai.chat_logprobs(self.logprobs) if self.chat else openai.completion_logprobs(self.logprobs, 0)
 
     async def complete(self, request: Request):
         worker, seq = self.worker, self.seq

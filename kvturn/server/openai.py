@@ -75,27 +75,29 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _finite(value: float) -> float | None:
+def _finite(value: float) -> float:
     return value if math.isfinite(value) else -9999.0  # as vLLM does: JSON has no -inf
 
 
-def completion_logprobs(tokens: list[str], logprobs: list, text_offset_start: int) -> dict:
-    """/v1/completions shape: parallel lists, top_logprobs as {token: logprob}."""
+def completion_logprobs(entries: list, text_offset_start: int) -> dict:
+    """/v1/completions shape from (token, logprob, [(alternative, logprob)...]) entries: parallel lists, the
+    alternatives as {token: logprob}."""
     offsets, at = [], text_offset_start
-    for token in tokens:
+    for token, _, _ in entries:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{token: _finite(value) for token, value in lp.top} for lp in logprobs],
+    return {"tokens": [token for token, _, _ in entries],
+            "token_logprobs": [_finite(logprob) for _, logprob, _ in entries],
+            "top_logprobs": [{alt: _finite(value) for alt, value in top} for _, _, top in entries],
             "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list) -> dict:
+def chat_logprobs(entries: list) -> dict:
     """/v1/chat/completions shape: one entry per token with its top alternatives."""
     def entry(token: str, logprob: float) -> dict:
         return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
-    return {"content": [entry(token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                        for token, lp in zip(tokens, logprobs)]}
+    return {"content": [entry(token, logprob) | {"top_logprobs": [entry(alt, value) for alt, value in top]}
+                        for token, logprob, top in entries]}
 
 
 def choice(chat: bool, text: str, finish_reason: str | None, delta: bool, logprobs: dict | None = None) -> dict:

@@ -220,8 +220,8 @@ class Worker:
                 "total_tokens": len(seq),
                 "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens + seq.num_remote_tokens}}
 
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in token_ids]
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def release_pin_once(self, plan: kv_params.KVPlan, released: list[bool]) -> None:
         """D tells P it no longer needs P's pinned prompt blocks (after the read, or when giving up)."""
