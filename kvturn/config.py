@@ -4,6 +4,12 @@ from dataclasses import MISSING, dataclass, field, fields
 
 ROLES = ("prefill", "decode", "both")
 BACKENDS = ("kvturn", "vllm", "auto")
+PATH_POLICIES = ("pull", "adaptive", "recompute", "compute_on_decode")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def is_redis_url(value: str | None) -> bool:
+    return bool(value) and value.startswith(REDIS_SCHEMES)
 
 
 class ConfigError(ValueError):
@@ -93,6 +99,10 @@ class WorkerConfig:
     served_model_name: str | None = setting(None, "model name in the API (default: the directory name)")
     bidirectional: bool = setting(False, "decode retains finished KV for the next turn's prefill to read back")
     max_logprobs: int = setting(20, "most top_logprobs a request may ask for")
+    register_url: str | None = setting(None, "redis://HOST:PORT/DB where this worker announces itself to routers "
+                                             "started with --discover (as http://ADVERTISE_HOST:PORT)")
+    register_ttl_s: float = setting(10.0, "a registration not renewed for this long expires (renewed three times "
+                                          "as often), s")
     engine: EngineConfig = field(default_factory=EngineConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
 
@@ -100,6 +110,9 @@ class WorkerConfig:
         _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
         _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        _check(self.register_url is None or is_redis_url(self.register_url),
+               f"register_url must be a redis:// URL, got {self.register_url!r}")
+        _positive(self, "register_ttl_s")
 
     @property
     def transfers_kv(self) -> bool:
@@ -115,8 +128,12 @@ class RouterConfig:
     port: int = setting(8000, "HTTP port")
     conversation_ttl_s: float = setting(450.0, "how long the router remembers a conversation's lease, s "
                                                "(keep it below the decode TTL)")
-    max_conversations: int = setting(100_000, "most conversations the router tracks (oldest dropped first)")
-    state_path: str | None = setting(None, "SQLite file that keeps the conversation table across restarts")
+    max_conversations: int = setting(100_000, "most conversations the router tracks (oldest dropped first; in Redis "
+                                              "they expire by TTL instead)")
+    state_path: str | None = setting(None, "SQLite file that keeps the conversation table across restarts, or a "
+                                           "redis://HOST:PORT/DB URL that router replicas share")
+    discover_url: str | None = setting(None, "redis://HOST:PORT/DB where workers register (kvturn worker --register); "
+                                             "they join --prefill/--decode")
     max_in_flight_per_decode: int = setting(32, "a conversation's decode worker is skipped above this load")
     health_interval_s: float = setting(2.0, "how often workers are probed, s")
     upstream_timeout_s: float = setting(120.0, "give up on a worker that sends nothing for this long, s")
@@ -124,12 +141,39 @@ class RouterConfig:
     api_keys: list[str] = setting([], "client API key (repeat for several); clients must send "
                                       "'Authorization: Bearer KEY' and see only their own conversations")
     max_body_mb: int = setting(32, "largest request body accepted, MiB")
+    path_policy: str = setting("pull", "how a turn with a live lease is served: pull (D->P read, then P->D), "
+                                       "compute_on_decode (D computes the new tokens on its retained KV), "
+                                       "recompute (P computes all), or adaptive (the cheapest by the costs "
+                                       "the workers measured)")
+    stall_weight: float = setting(0.5, "adaptive: how much 1 ms of waiting imposed on a decode worker's running "
+                                       "requests counts against 1 ms of this turn's time to first token")
+    backend: str = setting("auto", "what the workers are: kvturn, vllm (vLLM with NixlConnector, bidirectional), or "
+                                   "auto (asked per worker)")
+    tokenizer_dir: str | None = setting(None, "vLLM backend: model directory whose tokenizer and chat template give "
+                                              "the prompt's token ids here (default: ask prefill's /tokenize)")
+    kv_recompute_threshold_tokens: int = setting(64, "vLLM backend: hand prefill a decode worker's KV only if at "
+                                                     "least this many of its tokens are verified (vLLM's "
+                                                     "kv_recompute_threshold)")
+    vllm_retain_streamed_turns: bool = setting(True, "vLLM backend: after a streamed turn (vLLM <= 0.32 streams no "
+                                                     "kv_transfer_params) ask decode to retain prompt + answer with "
+                                                     "one 1-token call, so the next turn can still reuse")
+    vllm_retention_lease_s: float = setting(30.0, "vLLM backend: how long decode keeps what a retention call "
+                                                  "retained (its kv_lease_duration); the router forgets it "
+                                                  "5 s sooner")
 
     def __post_init__(self):
-        _check(bool(self.prefill_urls) and bool(self.decode_urls), "give at least one prefill and one decode URL")
+        _check(bool(self.prefill_urls) and bool(self.decode_urls) or bool(self.discover_url),
+               "give at least one prefill and one decode URL, or --discover")
+        _check(self.discover_url is None or is_redis_url(self.discover_url),
+               f"discover_url must be a redis:// URL, got {self.discover_url!r}")
         _positive(self, "conversation_ttl_s", "max_conversations", "max_in_flight_per_decode", "health_interval_s",
                   "upstream_timeout_s", "max_body_mb")
         _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
         _check(self.cluster_secret is None or len(self.cluster_secret) >= 16,
                "cluster_secret must be at least 16 characters")
         _check(all(self.api_keys), "an API key may not be empty")
+        _check(self.path_policy in PATH_POLICIES, f"path_policy must be one of {PATH_POLICIES}")
+        _check(self.stall_weight >= 0, "stall_weight must be >= 0")
+        _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.vllm_retention_lease_s > 5, "vllm_retention_lease_s must be above 5 s")
+        _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")

@@ -38,9 +38,22 @@ class RequestRecord:
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
     p_to_d_read_ms: float | None = None
+    prefill_request_ms: float | None = None  # the router's round trip to P
+    decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
+    decode_compute_ms: float | None = None  # D computing prompt tokens itself (the compute-on-decode path)
+    path: str | None = None  # the router's choice: recompute, pull or compute_on_decode
+    predicted_ttft_ms: float | None = None  # what the router's cost model expected of that path
     bytes_d_to_p: int = 0
     bytes_p_to_d: int = 0
     error: str | None = None
+
+    @property
+    def other_ms(self) -> float | None:
+        """TTFT that is neither compute nor transfer: router hops, side channel, queues, bookkeeping."""
+        if self.ttft_ms is None:
+            return None
+        parts = (self.prefill_compute_ms, self.d_to_p_read_ms, self.p_to_d_read_ms, self.decode_compute_ms)
+        return max(self.ttft_ms - sum(p or 0.0 for p in parts), 0.0)
 
 
 @dataclass(slots=True)
@@ -168,18 +181,27 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
         record.p_to_d_read_ms = timing.get("p_to_d_read_ms")
+        record.prefill_request_ms = timing.get("prefill_request_ms")
+        record.decode_ttft_ms = timing.get("decode_ttft_ms")
+        decode_timing = (kvturn.get("decode") or {}).get("timing") or {}
+        record.decode_compute_ms = decode_timing.get("prefill_compute_ms")
+        path = kvturn.get("path") or {}
+        record.path = path.get("chosen")
+        record.predicted_ttft_ms = (path.get("predicted_ttft_ms") or {}).get(record.path)
         record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
         record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0
     return "".join(answer)
 
 
-async def run(url: str, conversations: list[Conversation], sessions: int = 4, request_rate: float = 0.0,
+async def run(url: str | list[str], conversations: list[Conversation], sessions: int = 4, request_rate: float = 0.0,
               warmup_turns: int = 0, max_turns: int | None = None, seed: int = 0, ignore_eos: bool = True,
               show_progress: bool = True, request_timeout_s: float = 600.0,
               duration_s: float | None = None) -> RunResult:
     """Replay every conversation, at most `sessions` at a time; turns of one conversation run in order.
-    With `duration_s`, no turn starts after that many seconds (in-flight turns finish)."""
-    url = url.rstrip("/")
+    With `duration_s`, no turn starts after that many seconds (in-flight turns finish). With several URLs (router
+    replicas), each turn of a session goes to the next one."""
+    urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
+    url = urls[0]
     result = RunResult()
     limiter = RateLimiter(request_rate, seed)
     total_turns = sum(min(len(c.turns), max_turns or len(c.turns)) for c in conversations)
@@ -217,8 +239,8 @@ async def run(url: str, conversations: list[Conversation], sessions: int = 4, re
                                                (time.perf_counter() - start) * 1e3, warmup=index < warmup_turns)
                         result.requests.append(record)
                         try:
-                            answer = await one_turn(client, url, model, messages, record, turn.answer_tokens,
-                                                    ignore_eos)
+                            answer = await one_turn(client, urls[(client_id + index) % len(urls)], model, messages,
+                                                    record, turn.answer_tokens, ignore_eos)
                         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                             record.error = f"{type(exc).__name__}: {exc}"[:300]
                             session.failed = True

@@ -21,6 +21,7 @@ class Leg:
     mode: str
     bidirectional: bool
     prefix_caching_on_prefill: bool
+    path_policy: str = "pull"  # what the router does with a live lease (see `kvturn router --path-policy`)
 
 
 LEGS = {
@@ -29,7 +30,12 @@ LEGS = {
     "pd/P-cache-off": Leg("pd/P-cache-off", "pd", False, False),
     "bidir/P-cache-on": Leg("bidir/P-cache-on", "pd", True, True),
     "bidir/P-cache-off": Leg("bidir/P-cache-off", "pd", True, False),
+    # The three paths of a turn with a live lease, P's cache off so that every path is real.
+    "pull": Leg("pull", "pd", True, False, "pull"),
+    "compute-on-D": Leg("compute-on-D", "pd", True, False, "compute_on_decode"),
+    "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
 }
+PATH_LEGS = ("pull", "compute-on-D", "adaptive")
 
 
 @dataclass(slots=True)
@@ -52,6 +58,8 @@ SCENARIOS = {
                                                  "the prefix before the edit is reusable"),
     "short-turns": Scenario("short-turns", "short prompts and answers: reusable tokens stay below the threshold"),
     "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
+    "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
+                                         "16-64 answer tokens a turn, eight sessions at once", sessions=8),
 }
 
 
@@ -82,6 +90,12 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
         spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2500},
                                       num_turns=turns, new_tokens=150, answer_tokens=32)
         return workload.synthetic(spec, source, seed, "concurrent")
+    if scenario == "agent-loop":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 2000, "max": 5000},
+                                      num_turns=turns + 4,
+                                      new_tokens={"distribution": "uniform", "min": 50, "max": 400},
+                                      answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
+        return workload.synthetic(spec, source, seed, "agent")
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")
 
 
@@ -100,6 +114,7 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
         stack = LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
                            prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                            worker_args=scenario.worker_args, decode_args=scenario.decode_args,
+                           router_args=["--path-policy", leg.path_policy],
                            log_dir=log_dir / name.replace("/", "_"))
         with stack:
             warm_up(stack.url, source)
@@ -134,3 +149,19 @@ def ideal_speedup(results: dict, model_dir: str) -> dict | None:
             "kv_bytes": nbytes, "raw_nixl_read_ms": raw_read_ms, "ideal_speedup": ideal,
             "ttft_off_ms": longest.ttft_ms, "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured,
             "fraction_of_ideal": measured / ideal}
+
+
+def path_verdict(summaries: list[dict]) -> dict | None:
+    """The three-path targets, from one run: adaptive TTFT p50 against the better fixed path, its TPOT p90
+    against pull only, and how often the router's predicted TTFT was within 20% of the measured one."""
+    legs = {s["leg"]: s for s in summaries}
+    if not all(name in legs for name in PATH_LEGS):
+        return None
+    pull, on_decode, adaptive = (legs[name] for name in PATH_LEGS)
+    better = min(pull["ttft_ms"]["p50"], on_decode["ttft_ms"]["p50"])
+    return {"adaptive_ttft_p50_ms": adaptive["ttft_ms"]["p50"], "better_fixed_ttft_p50_ms": better,
+            "ttft_ratio": adaptive["ttft_ms"]["p50"] / better,
+            "adaptive_tpot_p90_ms": adaptive["tpot_ms"].get("p90"), "pull_tpot_p90_ms": pull["tpot_ms"].get("p90"),
+            "tpot_ratio": adaptive["tpot_ms"]["p90"] / pull["tpot_ms"]["p90"],
+            "adaptive_paths": adaptive.get("paths"),
+            "predicted_within_20pct": {name: legs[name].get("predicted_within_20pct") for name in PATH_LEGS}}

@@ -40,10 +40,21 @@ def summarize(name: str, result: RunResult) -> dict:
         "latency_ms": percentiles([r.latency_ms for r in ok]),
         "session_time_s": percentiles([s.duration_s for s in sessions if not s.failed]),
         "reuse_outcomes": dict(outcomes),
+        "paths": dict(Counter(r.path for r in ok if r.path)),
+        "other_ms": percentiles([r.other_ms for r in ok if r.path and r.other_ms is not None]),
+        "predicted_within_20pct": _share_within(ok, 0.2),
         "bytes_d_to_p": sum(r.bytes_d_to_p for r in ok),
         "bytes_p_to_d": sum(r.bytes_p_to_d for r in ok),
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
     }
+
+
+def _share_within(records, tolerance: float) -> float | None:
+    """Share of turns whose TTFT the router's cost model predicted within `tolerance` (None: no predictions)."""
+    pairs = [(r.predicted_ttft_ms, r.ttft_ms) for r in records if r.predicted_ttft_ms and r.ttft_ms]
+    if not pairs:
+        return None
+    return sum(abs(predicted - actual) <= tolerance * actual for predicted, actual in pairs) / len(pairs)
 
 
 def ttft_at(result: RunResult, conversation_id: str, turn: int) -> dict | None:
@@ -51,7 +62,7 @@ def ttft_at(result: RunResult, conversation_id: str, turn: int) -> dict | None:
         if r.conversation_id == conversation_id and r.turn == turn and r.error is None:
             return {"ttft_ms": r.ttft_ms, "input_num_tokens": r.input_num_tokens, "reuse": r.reuse,
                     "prefill_compute_ms": r.prefill_compute_ms, "d_to_p_read_ms": r.d_to_p_read_ms,
-                    "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p}
+                    "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p, "other_ms": r.other_ms}
     return None
 
 
@@ -63,15 +74,21 @@ def longest_request(result: RunResult):
 def print_table(summaries: list[dict], title: str, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=title)
-    for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "TPOT p50", "session p50", "reuse / declines",
-                "D->P MiB", "P->D MiB", "peak retained MiB"):
-        table.add_column(col, justify="right" if col != "reuse / declines" else "left")
+    for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "other p50", "TPOT p50", "TPOT p90", "session p50",
+                "reuse / declines / paths", "D->P MiB", "P->D MiB", "peak retained MiB"):
+        table.add_column(col, justify="right" if col != "reuse / declines / paths" else "left")
+    nan = float("nan")
     for s in summaries:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items()))
+        if s.get("paths"):
+            within = s.get("predicted_within_20pct")
+            outcomes += "; paths " + ", ".join(f"{k} {v}" for k, v in sorted(s["paths"].items()))
+            outcomes += f"; predicted within 20%: {within:.0%}" if within is not None else ""
         table.add_row(s["leg"], f"{s['requests'] - s['failed']}/{s['failed']}",
-                      f"{s['ttft_ms'].get('p50', float('nan')):.0f} ms", f"{s['ttft_ms'].get('p90', float('nan')):.0f} ms",
-                      f"{s['tpot_ms'].get('p50', float('nan')):.1f} ms",
-                      f"{s['session_time_s'].get('p50', float('nan')):.1f} s", outcomes,
+                      f"{s['ttft_ms'].get('p50', nan):.0f} ms", f"{s['ttft_ms'].get('p90', nan):.0f} ms",
+                      f"{s.get('other_ms', {}).get('p50', nan):.0f} ms",
+                      f"{s['tpot_ms'].get('p50', nan):.1f} ms", f"{s['tpot_ms'].get('p90', nan):.1f} ms",
+                      f"{s['session_time_s'].get('p50', nan):.1f} s", outcomes,
                       f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
                       f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")
     console.print(table)
@@ -111,7 +128,8 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
 
     fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 4), sharey=True, squeeze=False)
     parts = [("prefill compute", "prefill_compute_ms", "#4c72b0"), ("D->P read", "d_to_p_read_ms", "#dd8452"),
-             ("P->D read", "p_to_d_read_ms", "#55a868")]
+             ("P->D read", "p_to_d_read_ms", "#55a868"), ("compute on D", "decode_compute_ms", "#8172b3"),
+             ("other: router, side channel, queue", "other_ms", "#999999")]
     for ax, (name, result) in zip(axes[0], results.items()):
         buckets = _buckets(result, later_turns=True)
         labels = [f"{b}k" for b in buckets]
@@ -125,7 +143,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
         ax.tick_params(axis="x", labelsize=7)
     axes[0][0].set_ylabel("ms (mean per request)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle("Prefill time of later turns: compute and transfer")
+    fig.suptitle("Time to first token of later turns: compute, transfer and the rest")
     paths["prefill_split"] = _save(fig, out_dir / "prefill_split.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))

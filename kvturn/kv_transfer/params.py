@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_BLOCKS = 1 << 20  # a longer list is not a KV pool's worth of block ids
+SECRET_HEADER = "X-Kvturn-Cluster-Secret"  # the cluster secret, shown by the router and by peers
 
 
 class BadKVParams(ValueError):
@@ -56,6 +57,7 @@ class KVTransferParams:
     remote_block_hashes: list[int] | None = None  # chained hashes: P reuses only the prefix that really matches
     remote_block_epochs: list[int] | None = None  # read back after a transfer to catch recycled blocks
     handle: str | None = None  # names the retention lease; bound to the conversation
+    first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
 
     @classmethod
     def parse(cls, raw: Any) -> "KVTransferParams":
@@ -71,7 +73,7 @@ class KVTransferParams:
             elif spec.name in ("do_remote_prefill", "do_remote_decode"):
                 values[spec.name] = bool(_typed(value, bool, spec.name))
             else:
-                kind = {"remote_port": int, "remote_num_tokens": int, "tp_size": int,
+                kind = {"remote_port": int, "remote_num_tokens": int, "tp_size": int, "first_token_id": int,
                         "remote_blocks_expiry_time": float}.get(spec.name, str)
                 values[spec.name] = _typed(value, kind, spec.name)
         params = cls(**values)
@@ -94,6 +96,15 @@ class KVTransferParams:
     def names_peer(self) -> bool:
         return bool(self.remote_host and self.remote_port)
 
+    def lease_record(self) -> dict | None:
+        """The peer's lease as it described it (the side channel's shape), when these params carry all of it."""
+        if None in (self.handle, self.remote_block_ids, self.remote_block_hashes, self.remote_block_epochs,
+                    self.remote_num_tokens, self.remote_blocks_expiry_time):
+            return None
+        return {"handle": self.handle, "block_ids": self.remote_block_ids, "block_hashes": self.remote_block_hashes,
+                "block_epochs": self.remote_block_epochs, "num_tokens": self.remote_num_tokens,
+                "expiry_time": self.remote_blocks_expiry_time, "first_token_id": self.first_token_id}
+
     def for_next_prefill(self, remote_num_tokens: int | None = None) -> dict[str, Any]:
         """A decode worker's retention params, as the next turn's prefill call carries them (vLLM's proxy does
         the same): prefill for a remote decode, reading back what the decode worker retained."""
@@ -115,6 +126,7 @@ class RemoteRef:
     port: int
     handle: str
     binding_key: str  # what the lease is bound to: the conversation key, or P's request id for a P->D pin
+    record: dict | None = None  # the lease as the peer described it, relayed by the caller
 
     @property
     def address(self) -> str:
@@ -135,7 +147,7 @@ def plan(raw: Any, conversation_key: str | None) -> KVPlan:
         binding = params.remote_request_id if params.do_remote_prefill else conversation_key
         if binding:
             remote = RemoteRef(params.remote_engine_id, params.remote_host, params.remote_port, params.handle,
-                               binding)
+                               binding, params.lease_record())
     elif params.do_remote_prefill:
         raise BadKVParams("do_remote_prefill needs remote_host, remote_port and handle")
     return KVPlan(params.do_remote_decode, remote)
@@ -149,4 +161,4 @@ def retention_params(lease: dict, engine_id: str, request_id: str, host: str, po
         remote_request_id=request_id, remote_block_ids=lease["block_ids"], remote_host=host, remote_port=port,
         remote_num_tokens=lease["num_tokens"], remote_blocks_expiry_time=lease["expiry_time"], tp_size=1,
         transfer_mode="pull", remote_block_hashes=lease["block_hashes"], remote_block_epochs=lease["block_epochs"],
-        handle=lease["handle"]).to_json()
+        handle=lease["handle"], first_token_id=lease.get("first_token_id")).to_json()

@@ -14,10 +14,9 @@ from fastapi.responses import JSONResponse
 from kvturn.errors import error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
-from kvturn.kv_transfer.params import RemoteRef
+from kvturn.kv_transfer.params import SECRET_HEADER, RemoteRef
 
 log = logging.getLogger(__name__)
-SECRET_HEADER = "X-Kvturn-Cluster-Secret"
 
 
 def has_secret(request: Request, secret: str | None) -> bool:

@@ -14,14 +14,19 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvturn.config import RouterConfig
+from kvturn.config import RouterConfig, is_redis_url
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
-from kvturn.kv_transfer.side_channel import SECRET_HEADER
+from kvturn.kv_transfer.params import SECRET_HEADER
+from kvturn.registry import WorkerRegistry
 from kvturn.router import keys
 from kvturn.router.conversations import ConversationTable
+from kvturn.router.paths import CostModel
+from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.turn import Turn
+from kvturn.router.vllm_backend import VLLMBackend
+from kvturn.router.vllm_turn import VLLMTurn
 from kvturn.router.workers import WorkerPool
 
 log = logging.getLogger("kvturn.router")
@@ -44,6 +49,14 @@ class RouterMetrics:
                                    registry=self.registry)
         self.histories = Gauge("kvturn_router_history_digests", "History digests that name a conversation",
                                registry=self.registry)
+        self.paths = Counter("kvturn_router_paths", "Turns by the path they took", ["path"], registry=self.registry)
+        self.prediction_error = Histogram("kvturn_router_path_prediction_error_ratio", "|predicted - actual| / actual "
+                                          "time to first token of the chosen path", ["path"],
+                                          buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=self.registry)
+        self.state_healthy = Gauge("kvturn_router_state_healthy", "1 while the conversation store answers",
+                                   registry=self.registry)
+        self.state_errors = Counter("kvturn_router_state_errors", "Conversation store calls that failed (the turn "
+                                    "recomputed)", registry=self.registry)
 
 
 class Router:
@@ -51,8 +64,15 @@ class Router:
         self.config = config
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
-        self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
         self.metrics = RouterMetrics()
+        self.vllm = VLLMBackend(config, self.metrics.registry)
+        self.costs = CostModel()
+        if is_redis_url(config.state_path):
+            self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,
+                                                on_error=self.metrics.state_errors.inc)
+        else:
+            self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
+        self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
         self.http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
@@ -67,9 +87,16 @@ class Router:
         self._health_task.cancel()
         await self.http.aclose()
         await self.table.close()
+        if self.registry:
+            await self.registry.close()
 
     async def check_workers(self) -> None:
+        registered = await self.registry.members() if self.registry else None
+        if registered is not None:
+            self.prefill.follow_registry(registered.get("prefill", []))
+            self.decode.follow_registry(registered.get("decode", []))
         await asyncio.gather(self.prefill.check(self.http), self.decode.check(self.http))
+        await self.vllm.detect(self.http, self.prefill.workers + self.decode.workers)
 
     async def _health_loop(self) -> None:
         while True:
@@ -85,6 +112,7 @@ class Router:
         conversations, histories = await self.table.size()
         self.metrics.conversations.set(conversations)
         self.metrics.histories.set(histories)
+        self.metrics.state_healthy.set(self.table.health()["healthy"])
 
     def caller_scope(self, request: Request) -> str:
         """The caller's namespace; BadRequest(401) when the router has API keys and the caller has none of them."""
@@ -138,7 +166,11 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def health():
         if not router.prefill.healthy() or not router.decode.healthy():
             return error_response(503, "no healthy prefill or decode worker")
-        return {"status": "ok", "prefill": [w.url for w in router.prefill.healthy()],
+        state = router.table.health()
+        if not state["healthy"]:
+            state["note"] = "the conversation store is unreachable: serving, turns recompute until it is back"
+        return {"status": "ok" if state["healthy"] else "degraded", "state": state,
+                "prefill": [w.url for w in router.prefill.healthy()],
                 "decode": [w.url for w in router.decode.healthy()]}
 
     @app.get("/v1/models")
@@ -174,6 +206,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         conversation, history = await router.conversation(body, request, chat, scope)
-        return await Turn(router, path, chat, body, conversation, history, want_kv).run()
+        turn_class = VLLMTurn if router.vllm.serves(router.prefill.workers) else Turn
+        return await turn_class(router, path, chat, body, conversation, history, want_kv).run()
 
     return app

@@ -121,6 +121,9 @@ class ConversationTable:
         """(conversations, history digests) held."""
         return len(self._entries), len(self._history)
 
+    def health(self) -> dict:
+        return {"backend": "sqlite" if self._db else "memory", "healthy": True}
+
     async def close(self) -> None:
         if self._db:
             self._db.close()

@@ -67,8 +67,11 @@ class History:
     def __init__(self, scope: str, messages: list):
         self._running = hashlib.sha256(scope.encode())
         self.digests: list[str] = []
+        self.size = 0  # bytes of the messages, from which the router estimates the prompt's tokens
         for message in messages:
-            self._running.update(hashlib.sha256(_message_bytes(message)).digest())
+            encoded = _message_bytes(message)
+            self.size += len(encoded)
+            self._running.update(hashlib.sha256(encoded).digest())
             self.digests.append(self._running.copy().hexdigest())
 
     def extended(self, message: dict) -> str:

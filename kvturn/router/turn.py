@@ -12,6 +12,7 @@ from kvturn.errors import error_body, error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
+from kvturn.router import paths
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.workers import Claim, WorkerState
 
@@ -34,6 +35,11 @@ class Turn:
         self.prefill: dict = {}
         self.prefill_url = ""
         self.prefill_round_trip_s = 0.0
+        self.choice: paths.PathChoice | None = None
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        prompt = body.get("prompt")
+        self.prompt_size = history.size if history else len(prompt) if isinstance(prompt, str) else 0
 
     async def run(self) -> Response:
         router = self.router
@@ -41,6 +47,10 @@ class Turn:
         if self.key:
             self.entry, missed_because = await router.table.lookup(self.key)
         router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
+        self.choice = paths.choose(router.costs, self.view(), router.config.path_policy, router.config.stall_weight)
+        router.metrics.paths.labels(self.choice.path).inc()
+        if self.choice.path == paths.COMPUTE_ON_DECODE:
+            return await self.decode(dict(self.body))  # D computes the new tokens on the history it retained
         started = time.perf_counter()
         try:
             self.prefill, self.prefill_url = await self.run_prefill()
@@ -55,18 +65,69 @@ class Turn:
         router.metrics.reuse.labels(str(reuse)).inc()
         if self.entry is not None and reuse in LEASE_GONE:
             await router.table.drop(self.key)  # nothing left to read there; keep no stale entry
-        d_body = {**self.body, "kv_transfer_params": self.prefill.get("kv_transfer_params")}
+        return await self.decode({**self.body, "kv_transfer_params": self.prefill.get("kv_transfer_params")})
+
+    async def decode(self, d_body: dict) -> Response:
         if self.key is not None:
             d_body["conversation_id"] = self.key
         if self.body.get("stream"):
             return await self.stream_decode(d_body)
         return await self.complete_decode(d_body)
 
+    def view(self) -> paths.TurnView:
+        """What the path policy needs to know of this turn, from the table and the workers' load."""
+        router, entry = self.router, self.entry
+        retained, running, available = 0, 0, False
+        if entry is not None:
+            retained = int(entry.kv_params.get("remote_num_tokens") or 0)
+            holder = router.decode.find(entry.decode_url)
+            if holder is not None:
+                running = holder.in_flight
+                available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
+        prefill = router.prefill.least_loaded()
+        return paths.TurnView(self.estimated_prompt_tokens(), retained, running, available,
+                              prefill.in_flight if prefill else 0)
+
+    def estimated_prompt_tokens(self) -> int:
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list):
+            return len(prompt)
+        return int(self.prompt_size * self.router.costs.tokens_per_char.value)
+
+    def learn(self, decode: dict | None) -> dict:
+        """Teach the cost model what this turn cost, and describe the path for the response."""
+        costs, choice = self.router.costs, self.choice
+        prefill = self.prefill.get("kvturn") or {}
+        for role, report in (("prefill", prefill), ("decode", decode or {})):
+            costs.observe_prefill(role, report)
+        d_timing, p_timing = (decode or {}).get("timing", {}), prefill.get("timing", {})
+        if self.first_token_at is not None:
+            actual = (self.first_token_at - self.started) * 1e3
+        else:
+            actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
+        explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in (p_timing, d_timing))
+        costs.other_ms[choice.path].add(max(actual - explained, 0.0))
+        if actual > 0 and choice.modelled_ms > 0:
+            costs.correction[choice.path].add(actual / choice.modelled_ms)
+        if self.prefill_round_trip_s:
+            costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
+        prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
+                                                                   "prompt_tokens_remote"))
+        if prompt_tokens and self.prompt_size:
+            costs.tokens_per_char.add(prompt_tokens / self.prompt_size)
+        predicted = choice.predicted_ms[choice.path]
+        if actual > 0:
+            self.router.metrics.prediction_error.labels(choice.path).observe(abs(predicted - actual) / actual)
+        return {"chosen": choice.path, "policy": self.router.config.path_policy,
+                "predicted_ttft_ms": {p: round(ms, 2) for p, ms in choice.predicted_ms.items()},
+                "actual_ttft_ms": round(actual, 2), "other_ms": round(max(actual - explained, 0.0), 2),
+                "stall_ms": round(choice.stall_ms, 2)}
+
     async def run_prefill(self) -> tuple[dict, str]:
         """Call a prefill worker; returns (its JSON, its URL). Retries another P, and once without reuse."""
         router = self.router
         tried: set[str] = set()
-        lease = self.entry.kv_params if self.entry else None
+        lease = self.entry.kv_params if self.entry and self.choice.path == paths.PULL else None
         failed: httpx.Response | None = None  # the last 5xx, passed on when no worker is left to try
         while True:
             worker = router.prefill.least_loaded(tried)
@@ -174,6 +235,7 @@ class Turn:
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),
             },
+            "path": self.learn(decode),
             "decode": decode,
             "prefill_timing": p_timing,
         }
@@ -238,6 +300,8 @@ class Turn:
                 for choice in chunk.get("choices") or []:
                     answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
                                   else choice.get("text") or "")
+                if self.first_token_at is None and answer and answer[-1]:
+                    self.first_token_at = time.perf_counter()
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
                 if "kvturn" in chunk:

@@ -14,6 +14,7 @@ class WorkerState:
     role: str
     healthy: bool = True
     in_flight: int = 0
+    backend: str = "unknown"  # kvturn or vllm, once asked (router/vllm_backend.py)
 
 
 @dataclass(slots=True)
@@ -38,6 +39,7 @@ class WorkerPool:
     def __init__(self, urls: list[str], role: str):
         self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
         self.role = role
+        self.static_urls = {w.url for w in self.workers}
 
     def healthy(self) -> list[WorkerState]:
         return [w for w in self.workers if w.healthy]
@@ -53,6 +55,17 @@ class WorkerPool:
 
     def find(self, url: str) -> WorkerState | None:
         return next((w for w in self.workers if w.url == url), None)
+
+    def follow_registry(self, registered: list[str]) -> None:
+        """Add the workers that registered (healthy once probed); drop those neither registered nor answering. A
+        healthy one stays unregistered: Redis may have lost its data, and the worker registers again next beat."""
+        registered = {url.rstrip("/") for url in registered}
+        for url in sorted(registered - {w.url for w in self.workers}):
+            log.info("%s worker %s registered", self.role, url)
+            self.workers.append(WorkerState(url, self.role, healthy=False))
+        for worker in [w for w in self.workers if w.url not in registered | self.static_urls and not w.healthy]:
+            log.warning("%s worker %s is gone (unregistered and not answering)", self.role, worker.url)
+            self.workers.remove(worker)
 
     def mark_dead(self, worker: WorkerState) -> None:
         if worker.healthy:

@@ -16,6 +16,7 @@ from kvturn.config import WorkerConfig
 from kvturn.engine.sequence import Sequence
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
 from kvturn.kv_transfer import side_channel
+from kvturn.registry import run_registration
 from kvturn.server import openai
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
 from kvturn.server.text_stream import TextStream
@@ -137,7 +138,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.async_engine.start()
-        yield
+        async with run_registration(config):
+            yield
         await worker.peers.close()
         if worker.async_engine.alive and worker.connector:
             await worker.async_engine.call(worker.connector.leases.release_all)

@@ -21,7 +21,7 @@ from kvturn.kv_transfer import params as kv_params
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
 from kvturn.kv_transfer.nixl_agent import LayoutMismatch
-from kvturn.kv_transfer.side_channel import PeerClient
+from kvturn.kv_transfer.side_channel import PeerClient, parse_lease
 from kvturn.model.loader import load_model
 from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.server.metrics import WorkerMetrics
@@ -105,8 +105,10 @@ class Worker:
                               top_k=max(body.top_k, 0), seed=body.seed, stop=body.stop or [],
                               stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=num_logprobs)
 
-    async def resolve_remote(self, ref: kv_params.RemoteRef, prefilled_for_us: bool) -> RemoteBlocks | str:
-        """Handshake with the peer if needed and get its own account of the lease; a reason string on failure."""
+    async def resolve_remote(self, ref: kv_params.RemoteRef, prefilled_for_us: bool,
+                             vouched: bool) -> RemoteBlocks | str:
+        """Handshake with the peer if needed and get its own account of the lease (from the peer, or relayed by
+        a `vouched` caller of the cluster); a reason string on failure."""
         nixl = self.connector.nixl
         try:
             info = await self.peers.agent_info(ref)
@@ -130,8 +132,15 @@ class Worker:
         except Exception:
             log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
             return policy.PEER_UNREACHABLE
-        remote = await self.peers.acquire(ref, peer.engine_id, peer.layout.num_blocks, self.engine.block_size,
-                                          self.vocab_size)
+        if ref.record is not None and vouched and prefilled_for_us:
+            # P's pin for this very request, relayed by a caller holding the cluster secret milliseconds after P
+            # made it: no round trip to P before the read. (A decode worker's lease may be minutes old: for it,
+            # the peer is asked, which also checks the lease is alive and bound to this conversation.)
+            remote = parse_lease(ref.record, peer.engine_id, ref.handle, peer.layout.num_blocks,
+                                 self.engine.block_size, self.vocab_size) or policy.BAD_PEER_REPLY
+        else:
+            remote = await self.peers.acquire(ref, peer.engine_id, peer.layout.num_blocks, self.engine.block_size,
+                                              self.vocab_size)
         if isinstance(remote, RemoteBlocks):
             remote.prefilled_for_us = prefilled_for_us
         return remote
@@ -171,7 +180,8 @@ class Worker:
                 plan = kv_params.KVPlan(plan.prefill_for_remote_decode, None)  # nothing to release there either
             else:
                 resolve_started = time.perf_counter()
-                resolved = await self.resolve_remote(plan.remote, prefilled_for_us=not plan.prefill_for_remote_decode)
+                vouched = caller_has_secret and not self.peers.open_cluster
+                resolved = await self.resolve_remote(plan.remote, not plan.prefill_for_remote_decode, vouched)
                 side_channel_s = time.perf_counter() - resolve_started
                 if isinstance(resolved, str):
                     declined = resolved

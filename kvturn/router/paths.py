@@ -1,0 +1,165 @@
+"""Which path a turn takes, from costs the workers measured: recompute on P, pull the history D->P then
+compute the new tokens on P, or compute the new tokens on D, which already holds the history.
+
+`CostModel` learns from what every response reports (compute time against tokens computed and context,
+NIXL bytes against time, and the time nobody's compute or transfer explains); `choose` is pure.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+RECOMPUTE, PULL, COMPUTE_ON_DECODE = "recompute", "pull", "compute_on_decode"
+PATHS = (RECOMPUTE, PULL, COMPUTE_ON_DECODE)
+POLICIES = ("adaptive", "pull", "recompute", "compute_on_decode")
+MIN_SAMPLES = 4
+
+
+class ComputeFit:
+    """ms to compute `n` new tokens after `context` cached ones: a + b*n + k*n*(context + n/2), the last term
+    for attention, which grows with the tokens attended to. A least-squares fit over the recent samples,
+    pulled towards the prior (ridge) so that a few samples of one shape cannot make it extrapolate wildly."""
+    SCALE = np.array([1.0, 1e3, 1e4])  # typical size of each feature, so the pull is alike for all three
+    RIDGE = 1.0
+
+    def __init__(self, prior: tuple[float, float, float], window: int = 256):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.prior = np.array(prior, dtype=float)
+        self.coefficients = self.prior.copy()
+        self._stale = False
+
+    @staticmethod
+    def _features(new_tokens: int, context: int) -> np.ndarray:
+        return np.array([1.0, float(new_tokens), new_tokens * (context + new_tokens / 2) / 1e3])
+
+    def add(self, new_tokens: int, context: int, ms: float) -> None:
+        if new_tokens > 0 and ms > 0:
+            self.samples.append((new_tokens, context, ms))
+            self._stale = True
+
+    @property
+    def calibrated(self) -> bool:
+        return len(self.samples) >= MIN_SAMPLES
+
+    def predict(self, new_tokens: int, context: int) -> float:
+        if self._stale:
+            x = np.array([self._features(n, c) for n, c, _ in self.samples]) / self.SCALE
+            y = np.array([ms for _, _, ms in self.samples])
+            prior = self.prior * self.SCALE
+            gram = x.T @ x + self.RIDGE * np.eye(3)
+            solution = np.linalg.solve(gram, x.T @ y + self.RIDGE * prior)
+            self.coefficients = np.maximum(solution, 0.0) / self.SCALE  # no negative cost per token
+            self._stale = False
+        return float(self.coefficients @ self._features(new_tokens, context))
+
+
+@dataclass(slots=True)
+class Typical:
+    """The median of the recent values (one slow handshake must not move it), with a prior until there are any."""
+    prior: float
+    values: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def value(self) -> float:
+        return float(np.median(self.values)) if self.values else self.prior
+
+
+@dataclass(slots=True)
+class Mean:
+    """A running mean over the recent values, with a prior until there are any."""
+    prior: float
+    values: deque = field(default_factory=lambda: deque(maxlen=128))
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def value(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else self.prior
+
+
+class CostModel:
+    def __init__(self):
+        # Priors: a small model on a CPU core; replaced by measurements after a few turns.
+        self.prefill = {"prefill": ComputeFit((5.0, 0.25, 0.02)), "decode": ComputeFit((5.0, 0.25, 0.02))}
+        self.read_ms_per_mib = Mean(0.5)
+        self.bytes_per_token = Mean(4096.0)
+        self.other_ms = {path: Typical(15.0 if path != COMPUTE_ON_DECODE else 5.0) for path in PATHS}
+        self.tokens_per_char = Mean(0.3)
+        self.prefill_request_ms = Typical(100.0)  # a prefill worker's round trip: what each queued request adds
+        # measured / modelled time of each path: queues and contention the terms above do not see
+        self.correction = {path: Typical(1.0) for path in PATHS}
+
+    def compute_ms(self, role: str, new_tokens: int, context: int) -> float:
+        fit = self.prefill[role]
+        if role == "decode" and not fit.calibrated:
+            fit = self.prefill["prefill"]  # the same model on the same kind of machine, until D has its own
+        return fit.predict(new_tokens, context)
+
+    def read_ms(self, tokens: int) -> float:
+        return tokens * self.bytes_per_token.value / 2**20 * self.read_ms_per_mib.value
+
+    def observe_prefill(self, role: str, report: dict) -> None:
+        """Learn from a worker's `kvturn` report of one request."""
+        computed = report.get("prompt_tokens_computed") or 0
+        context = (report.get("prompt_tokens_cached") or 0) + (report.get("prompt_tokens_remote") or 0)
+        timing = report.get("timing") or {}
+        self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
+        read_bytes, read_ms = report.get("kv_read_bytes") or 0, timing.get("kv_read_ms") or 0.0
+        if read_bytes >= 2**20 and read_ms > 0:
+            self.read_ms_per_mib.add(read_ms / (read_bytes / 2**20))
+        remote = report.get("prompt_tokens_remote") or 0
+        if remote and read_bytes:
+            self.bytes_per_token.add(read_bytes / remote)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnView:
+    """What the router knows of a turn before it starts."""
+    prompt_tokens: int  # estimated from the body
+    retained_tokens: int  # whose KV the decode worker holds for this conversation (0: no live lease)
+    decode_running: int  # requests the holding decode worker is already serving
+    decode_available: bool  # the holding decode worker is healthy and has room for one more
+    prefill_in_flight: int  # requests queued or running on the least-loaded prefill worker
+
+
+@dataclass(frozen=True, slots=True)
+class PathChoice:
+    path: str
+    predicted_ms: dict  # every path's predicted time to first token
+    stall_ms: float  # what the chosen path makes the decode worker's running requests wait, summed
+    modelled_ms: float  # the chosen path's time before the correction learned from measurements
+
+
+def predict(model: CostModel, turn: TurnView) -> dict[str, tuple[float, float]]:
+    """(time to first token, stall inflicted on running decodes) for each possible path."""
+    new = max(turn.prompt_tokens - turn.retained_tokens, 1)
+    queue = turn.prefill_in_flight * model.prefill_request_ms.value
+    out = {RECOMPUTE: (queue + model.compute_ms("prefill", turn.prompt_tokens, 0) + model.read_ms(new)
+                       + model.other_ms[RECOMPUTE].value, 0.0)}
+    if turn.retained_tokens > 0:
+        out[PULL] = (queue + model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
+                     + model.read_ms(new) + model.other_ms[PULL].value, 0.0)
+    if turn.retained_tokens > 0 and turn.decode_available:
+        on_decode = model.compute_ms("decode", new, turn.retained_tokens)
+        out[COMPUTE_ON_DECODE] = (on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
+                                  on_decode * turn.decode_running)
+    return out
+
+
+def choose(model: CostModel, turn: TurnView, policy: str, stall_weight: float) -> PathChoice:
+    """The path of least predicted time to first token plus `stall_weight` times the wait it puts on others;
+    a fixed policy takes its own path whenever it is possible."""
+    modelled = predict(model, turn)
+    costs = {path: (ttft * model.correction[path].value, stall) for path, (ttft, stall) in modelled.items()}
+    predicted = {path: ttft for path, (ttft, _) in costs.items()}
+    if policy in costs:
+        path = policy
+    elif policy == "adaptive":
+        path = min(costs, key=lambda p: costs[p][0] + stall_weight * costs[p][1])
+    else:
+        path = PULL if PULL in costs else RECOMPUTE
+    return PathChoice(path, predicted, costs[path][1], modelled[path][0])

@@ -1,0 +1,156 @@
+"""The conversation table in Redis, shared by router replicas behind any balancer: a dead replica loses nothing.
+
+Same interface as `ConversationTable`. A conversation is a hash `kvturn:conv:{key}` = {order, entry} that Redis
+expires when its lease or the conversation TTL ends, whichever is first. A put is a compare-and-set on `order` in
+one script, so a replica that finishes an older turn late never overwrites a newer lease. A history digest is a key
+`kvturn:hist:{digest}` naming its conversation, with the conversation TTL; each conversation keeps only its latest
+few (a retried or regenerated turn still finds it), so the keys follow the live conversations, not the turns.
+
+Redis is an optimisation like every reuse path: when it cannot be reached, lookups miss, writes are dropped, turns
+recompute, and `health()` says so; the next call after Redis is back uses it again.
+"""
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+
+from kvturn.redis_client import ERRORS, connect
+from kvturn.router.conversations import Conversation
+
+UNAVAILABLE = "state_unavailable"
+TIMEOUT_S = 1.0  # a hung Redis costs one turn this long, then the others nothing (0.5 s misfired on busy 2 cores)
+RETRY_AFTER_S = 2.0  # after a failure, turns skip Redis this long (the health round's ping ends it sooner)
+SIZE_EVERY_S = 10.0  # counting the keys scans the namespace; a gauge need not be fresher
+HISTORY_DIGESTS_KEPT = 4  # per conversation: a client resending one of its last few histories still finds it
+MGET_CHUNK = 256
+_FAILED = object()
+log = logging.getLogger("kvturn.router")
+
+# KEYS: conversation. ARGV: order, entry JSON, time to live ms. 1 if stored, 0 if a newer turn is there.
+PUT_UNLESS_NEWER = """
+local stored = redis.call('HGET', KEYS[1], 'order')
+if stored and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'order', ARGV[1], 'entry', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS: digest, the conversation's recent digests. ARGV: conversation key, digest, ms, how many kept, digest prefix.
+# A digest trimmed from the list is deleted unless another conversation has taken it over since.
+REMEMBER_DIGEST = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('LREM', KEYS[2], 0, ARGV[2])
+redis.call('LPUSH', KEYS[2], ARGV[2])
+for _, old in ipairs(redis.call('LRANGE', KEYS[2], tonumber(ARGV[4]), -1)) do
+  if redis.call('GET', ARGV[5] .. old) == ARGV[1] then redis.call('DEL', ARGV[5] .. old) end
+end
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class RedisConversationTable:
+    def __init__(self, url: str, ttl_s: float, namespace: str = "kvturn", on_error: Callable[[], None] | None = None):
+        self.ttl_s = ttl_s
+        self.redis = connect(url, TIMEOUT_S)
+        self._put = self.redis.register_script(PUT_UNLESS_NEWER)
+        self._remember = self.redis.register_script(REMEMBER_DIGEST)
+        self._conversation_prefix = f"{namespace}:conv:"
+        self._digest_prefix = f"{namespace}:hist:"
+        self._recent_prefix = f"{namespace}:recent:"
+        self._on_error = on_error
+        self.healthy = True
+        self.last_error: str | None = None
+        self._skip_until = 0.0
+        self._size, self._size_at = (0, 0), float("-inf")
+
+    async def _call(self, operation: Callable[[], Awaitable], probe: bool = False):
+        """The operation's result, or _FAILED when Redis cannot answer (remembered; turns carry on without it)."""
+        if not probe and time.monotonic() < self._skip_until:
+            return _FAILED
+        try:
+            result = await operation()
+        except ERRORS as exc:
+            error = f"{type(exc).__name__}: {exc}"[:200]
+            if self.healthy:
+                log.warning("conversation store unreachable, turns recompute until it is back: %s", error)
+            self.healthy, self.last_error = False, error
+            self._skip_until = time.monotonic() + RETRY_AFTER_S
+            if self._on_error:
+                self._on_error()
+            return _FAILED
+        if not self.healthy:
+            log.info("conversation store is back")
+        self.healthy, self._skip_until = True, 0.0
+        return result
+
+    async def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
+        """The live entry, or None and why: "expired" (the lease ran out) or "state_unavailable" (Redis is down)."""
+        raw = await self._call(lambda: self.redis.hget(self._conversation_prefix + key, "entry"))
+        if raw is _FAILED:
+            return None, UNAVAILABLE
+        if raw is None:
+            return None, None
+        entry = Conversation(**json.loads(raw))
+        if entry.expires_at <= time.time():
+            return None, "expired"
+        return entry, None
+
+    async def put(self, entry: Conversation) -> bool:
+        """Store `entry` unless Redis holds a newer turn of the conversation; whether it was stored."""
+        lease_end = float(entry.kv_params.get("remote_blocks_expiry_time") or float("inf"))
+        entry.expires_at = min(time.time() + self.ttl_s, lease_end)
+        ttl_ms = int((entry.expires_at - time.time()) * 1000)
+        if ttl_ms <= 0:
+            return False
+        stored = await self._call(lambda: self._put(keys=[self._conversation_prefix + entry.key],
+                                                    args=[entry.order, json.dumps(asdict(entry)), ttl_ms]))
+        return stored == 1
+
+    async def drop(self, key: str) -> None:
+        await self._call(lambda: self.redis.delete(self._conversation_prefix + key))
+
+    async def remember_history(self, digest: str, key: str) -> None:
+        """A later turn whose history has this digest as a prefix continues `key`."""
+        ttl_ms = int(self.ttl_s * 1000)
+        await self._call(lambda: self._remember(keys=[self._digest_prefix + digest, self._recent_prefix + key],
+                                                args=[key, digest, ttl_ms, HISTORY_DIGESTS_KEPT, self._digest_prefix]))
+
+    async def find_history(self, digests: list[str]) -> str | None:
+        """The conversation of the longest remembered prefix among `digests` (shortest first); longest asked first."""
+        for end in range(len(digests), 0, -MGET_CHUNK):
+            chunk = digests[max(0, end - MGET_CHUNK):end]
+            names = [self._digest_prefix + digest for digest in chunk]
+            found = await self._call(lambda names=names: self.redis.mget(names))
+            if found is _FAILED:
+                return None
+            for key in reversed(found):
+                if key is not None:
+                    return key
+        return None
+
+    async def sweep(self) -> None:
+        """Redis expires entries itself; this round only checks that it answers, so health follows it back."""
+        await self._call(self.redis.ping, probe=True)
+
+    async def size(self) -> tuple[int, int]:
+        """(conversations, history digests) in Redis, counted at most every SIZE_EVERY_S."""
+        if time.monotonic() - self._size_at < SIZE_EVERY_S:
+            return self._size
+        self._size_at = time.monotonic()
+        conversations = await self._call(lambda: self._count(self._conversation_prefix))
+        digests = await self._call(lambda: self._count(self._digest_prefix))
+        if conversations is not _FAILED and digests is not _FAILED:
+            self._size = conversations, digests
+        return self._size
+
+    async def _count(self, prefix: str) -> int:
+        return sum([1 async for _ in self.redis.scan_iter(match=prefix + "*", count=1000)])
+
+    def health(self) -> dict:
+        return {"backend": "redis", "healthy": self.healthy, "last_error": None if self.healthy else self.last_error}
+
+    async def close(self) -> None:
+        await self.redis.aclose()

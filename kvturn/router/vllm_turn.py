@@ -1,0 +1,413 @@
+"""One turn through vLLM prefill and decode workers (NixlConnector, bidirectional): the same flow as `Turn`, plus
+what vLLM lacks. Before handing P the decode worker's retained KV, the router checks in token space that the new
+prompt starts with the tokens that KV holds, and caps `remote_num_tokens` at the verified prefix. D's params are
+passed on unchanged but for the two flags and that cap, and dropped once P has read them (vLLM's handles are single
+use). vLLM <= 0.32 streams no `kv_transfer_params`: after a streamed turn one 1-token call asks D to retain
+prompt + answer, so the next turn still reuses."""
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvturn.errors import error_body, error_response
+from kvturn.router import vllm_reuse
+from kvturn.router.conversations import Conversation
+from kvturn.router.fast_json import cut_int_list, encode_with, parse_int_list
+from kvturn.router.vllm_backend import JSON
+from kvturn.router.turn import Turn, UpstreamError
+from kvturn.router.work_clock import WorkClock
+from kvturn.router.workers import Claim
+
+log = logging.getLogger("kvturn.router")
+PREFILL_STUB = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# D computes locally and pins the result as a prefill worker pins for a decode: the one request shape that vLLM 0.32
+# both retains and frees once read (with both flags false it retains and never frees). Pinned for D's
+# kv_lease_duration, and the params carry no expiry: the router bounds the entry itself.
+RETAIN_AS_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+RETENTION_MARGIN_S = 5.0
+FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends
+EXPIRY = "remote_blocks_expiry_time"
+STORED_EXPIRY = "vllm_" + EXPIRY  # the table reads EXPIRY as wall clock; vLLM's is D's monotonic clock
+
+
+def stored_params(params: dict, lease_end: float | None = None) -> dict:
+    """D's params as the conversation table keeps them: `lease_end` (wall clock) or the table's TTL, below D's,
+    bounds the entry."""
+    stored = dict(params)
+    stored[STORED_EXPIRY] = stored.pop(EXPIRY, None)
+    stored[EXPIRY] = lease_end
+    return stored
+
+
+def params_for_prefill(stored: dict, remote_num_tokens: int) -> dict:
+    """D's params exactly as D returned them, but for the flags and the verified token count."""
+    params = {k: v for k, v in stored.items() if k != STORED_EXPIRY}
+    params[EXPIRY] = stored.get(STORED_EXPIRY)
+    return params | {"do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": remote_num_tokens}
+
+
+class VLLMTurn(Turn):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vllm = self.router.vllm
+        self.outcome = vllm_reuse.NO_PARAMS
+        self.tokens_claimed = self.tokens_verified = self.tokens_passed = 0
+        self.pinned_ids: list[int] | None = None  # ids from the local tokenizer: the workers must compute these
+        self.wants_ids = bool(self.body.get("return_token_ids"))
+        self.work = WorkClock()  # paused around every wait on a worker or the client
+        self.tokenize_s = 0.0
+        self.prompt_ids: list[int] | None = None
+        self.prompt_ids_text: str | None = None  # as /tokenize sent them: decode's echo of the same text is not parsed
+        messages = self.body.get("messages")
+        self.messages_json = json.dumps(messages, separators=(",", ":")) if self.chat and messages else None
+
+    def encoded(self, body: dict) -> bytes:
+        """A worker request's JSON, the history encoded once for the turn's three calls."""
+        if self.messages_json is not None and "messages" in body:
+            return encode_with(body, "messages", self.messages_json)
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def echoed_prompt_ids(self, ids_text: str | None) -> list[int] | None:
+        if ids_text is None:
+            return None
+        return self.prompt_ids if ids_text == self.prompt_ids_text else parse_int_list(ids_text)
+
+    def observe_work(self) -> None:
+        wall_ms, cpu_ms = self.work.totals_ms()
+        self.vllm.metrics.own_seconds.observe(wall_ms / 1e3)
+        self.vllm.metrics.own_cpu_seconds.observe(cpu_ms / 1e3)
+
+    async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        """A call to a worker, with the request built (its JSON encoded) before the wait, as the router's work."""
+        self.work.pause()
+        try:
+            return await self.router.http.send(request, stream=stream)
+        finally:
+            self.work.resume()
+
+    async def run(self) -> Response:
+        router = self.router
+        self.work.pause()
+        await self.vllm.wait_pending(self.key)
+        self.work.resume()
+        missed_because = None
+        if self.key:
+            self.entry, missed_because = await router.table.lookup(self.key)
+        router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
+        try:
+            self.prefill, self.prefill_url = await self.run_prefill()
+        except UpstreamError as exc:
+            router.metrics.requests.labels("prefill_error").inc()
+            return exc.response
+        router.metrics.reuse.labels(self.outcome).inc()
+        d_params = self.prefill.get("kv_transfer_params")
+        if self.pinned_ids is not None and isinstance(d_params, dict):
+            d_params = d_params | {"prompt_token_ids": self.pinned_ids}
+        d_body = {**self.body, "kv_transfer_params": d_params, "return_token_ids": True}
+        if self.key is not None:
+            d_body["conversation_id"] = self.key
+        if self.body.get("stream"):
+            return await self.stream_decode(d_body)
+        return await self.complete_decode(d_body)
+
+    async def verify_reuse(self, prefill_url: str) -> None:
+        """Decide how many of D's retained tokens P may load, from the token ids on both sides."""
+        entry, metrics = self.entry, self.vllm.metrics
+        started = time.perf_counter()
+        ids, self.prompt_ids_text, local = await self.vllm.prompt_ids(self.router.http, prefill_url, self.body,
+                                                                      self.chat, self.work, self.messages_json)
+        self.prompt_ids = ids
+        self.tokenize_s = time.perf_counter() - started
+        if local:
+            self.pinned_ids = ids
+        if entry is None or not entry.kv_params:
+            self.outcome = vllm_reuse.NO_PARAMS
+        elif not entry.prompt_token_ids:
+            self.outcome = vllm_reuse.NO_TOKEN_IDS
+        elif ids is None:
+            self.outcome = vllm_reuse.TOKENIZE_FAILED
+        else:
+            self.tokens_claimed = int(entry.kv_params.get("remote_num_tokens") or 0)
+            self.tokens_passed, self.outcome, self.tokens_verified = vllm_reuse.verified_reuse(
+                entry.prompt_token_ids, ids, self.tokens_claimed, self.vllm.block_size(prefill_url),
+                self.router.config.kv_recompute_threshold_tokens)
+            metrics.reuse_tokens.labels("claimed").inc(self.tokens_claimed)
+            metrics.reuse_tokens.labels("verified").inc(self.tokens_verified)
+            metrics.reuse_tokens.labels("passed").inc(self.tokens_passed)
+        metrics.reuse.labels(self.outcome).inc()
+
+    def prefill_body(self, passing: bool) -> dict:
+        kv = params_for_prefill(self.entry.kv_params, self.tokens_passed) if passing else dict(PREFILL_STUB)
+        if self.pinned_ids is not None:
+            kv["prompt_token_ids"] = self.pinned_ids
+        body = {**self.body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
+        body.pop("stream_options", None)
+        body.pop("return_token_ids", None)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        return body
+
+    async def run_prefill(self) -> tuple[dict, str]:
+        """Call a prefill worker: verified reuse first; on a 5xx with reuse (an expired or unreachable handle makes
+        vLLM's P fail), once more without it; then another P."""
+        router = self.router
+        tried: set[str] = set()
+        failed: httpx.Response | None = None
+        verified_on = None
+        while True:
+            worker = router.prefill.least_loaded(tried)
+            if worker is None:
+                if failed is not None:
+                    raise UpstreamError(Response(failed.content, failed.status_code, media_type="application/json"))
+                raise UpstreamError(error_response(503, "no prefill worker is available"))
+            if verified_on is None:
+                verified_on = worker.url
+                await self.verify_reuse(worker.url)
+            passing = self.tokens_passed > 0
+            with router.prefill.claim(worker):
+                request = router.http.build_request("POST", worker.url + self.path,
+                                                    content=self.encoded(self.prefill_body(passing)), headers=JSON)
+                started = time.perf_counter()
+                try:
+                    response = await self.send(request)
+                    self.prefill_round_trip_s = time.perf_counter() - started
+                except httpx.HTTPError:
+                    router.prefill.mark_dead(worker)
+                    tried.add(worker.url)
+                    router.metrics.retries.labels("prefill_unreachable").inc()
+                    continue
+            if passing:
+                await router.table.drop(self.key)  # P has read (or tried to read) D's blocks: vLLM frees them
+            if response.status_code == 200:
+                return response.json(), worker.url
+            if response.status_code < 500:
+                raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
+            if passing:
+                self.tokens_passed, self.outcome = 0, "failed_with_reuse"
+                router.metrics.retries.labels("prefill_failed_with_reuse").inc()
+                continue
+            tried.add(worker.url)
+            failed = response
+            router.metrics.retries.labels("prefill_failed").inc()
+
+    async def remember_vllm(self, decode_url: str, kv: dict | None, retained_ids: list[int] | None,
+                            answer: str | None) -> None:
+        """Keep D's params with the token ids its KV holds; anything else means no reuse next turn."""
+        if self.key is None:
+            return
+        router = self.router
+        claimed = kv.get("remote_num_tokens") if isinstance(kv, dict) else None
+        if isinstance(claimed, int) and claimed > 0 and kv.get("do_remote_decode") and retained_ids:
+            messages = self.body.get("messages")
+            order = len(messages) if isinstance(messages, list) else 0
+            await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, order,
+                                                retained_ids[:claimed]))
+        else:
+            await router.table.drop(self.key)
+        if self.history is not None and answer is not None:
+            digest = self.history.extended({"role": "assistant", "content": answer})
+            await router.table.remember_history(digest, self.key)
+
+    def merged_kvturn(self, decode: dict | None, decode_url: str) -> dict:
+        prefill_usage = self.prefill.get("usage") or {}
+        p_kv = self.prefill.get("kv_transfer_params") or {}
+        return {
+            "conversation_id": self.conversation.client_id if self.conversation else None,
+            "backend": "vllm",
+            "prefill_worker": self.prefill_url,
+            "decode_worker": decode_url,
+            "reuse": self.outcome,
+            "tokens_claimed": self.tokens_claimed,
+            "tokens_verified": self.tokens_verified,
+            "tokens_passed": self.tokens_passed,
+            "prompt_tokens": prefill_usage.get("prompt_tokens"),
+            "prompt_tokens_cached_prefill": p_kv.get("remote_prefill_cached_tokens"),
+            "timing": {"prefill_request_ms": self.prefill_round_trip_s * 1e3, "tokenize_ms": self.tokenize_s * 1e3,
+                       "router_ms": self.work.totals_ms()[0], "router_cpu_ms": self.work.totals_ms()[1]},
+        }
+
+    def strip_ids(self, response: dict) -> None:
+        """Token ids were asked for the router's check; the client sees them only if it asked too."""
+        if self.wants_ids:
+            return
+        response.pop("prompt_token_ids", None)
+        for choice in response.get("choices") or []:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)  # /v1/completions puts them on the choice
+
+    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response]:
+        """As Turn.open_decode, with the request built outside the wait."""
+        router = self.router
+        tried: set[str] = set()
+        while True:
+            worker = self.pick_decode(tried)
+            if worker is None:
+                raise UpstreamError(error_response(503, "no decode worker is available"))
+            claim = router.decode.claim(worker)
+            try:
+                request = router.http.build_request("POST", worker.url + self.path, content=self.encoded(d_body),
+                                                    headers=JSON)
+                return claim, await self.send(request, stream=stream)
+            except httpx.HTTPError:
+                claim.release()
+                router.decode.mark_dead(worker)
+                tried.add(worker.url)
+                router.metrics.retries.labels("decode_unreachable").inc()
+
+    async def complete_decode(self, d_body: dict) -> Response:
+        router = self.router
+        try:
+            claim, response = await self.open_decode(d_body, stream=False)
+        except UpstreamError as exc:
+            router.metrics.requests.labels("decode_error").inc()
+            return exc.response
+        claim.release()
+        if response.status_code != 200:
+            return self.decode_refused(response.content, response.status_code)
+        text, ids_text = response.content.decode(), None
+        if not self.wants_ids:
+            text, ids_text = cut_int_list(text, "prompt_token_ids")
+        result = json.loads(text)
+        kv = result.pop("kv_transfer_params", None)
+        choice = (result.get("choices") or [{}])[0]
+        answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
+        prompt_ids = self.echoed_prompt_ids(ids_text) or result.get("prompt_token_ids") or \
+            choice.get("prompt_token_ids")
+        retained = vllm_reuse.retained_token_ids(prompt_ids, choice.get("token_ids"),
+                                                 kv.get("remote_num_tokens") if isinstance(kv, dict) else None)
+        await self.remember_vllm(claim.worker.url, kv, retained, answer)
+        self.strip_ids(result)
+        if self.want_kv and kv is not None:
+            result["kv_transfer_params"] = kv
+        router.metrics.requests.labels("ok").inc()
+        result["kvturn"] = self.merged_kvturn(None, claim.worker.url)
+        reply = JSONResponse(result)
+        self.observe_work()
+        return reply
+
+    async def stream_decode(self, d_body: dict) -> Response:
+        router = self.router
+        try:
+            claim, response = await self.open_decode(d_body, stream=True)
+        except UpstreamError as exc:
+            router.metrics.requests.labels("decode_error").inc()
+            return exc.response
+        if response.status_code != 200:
+            claim.release()
+            self.work.pause()
+            content = await response.aread()
+            await response.aclose()
+            return self.decode_refused(content, response.status_code)
+        self.work.pause()  # until decode's first line: Starlette starts the response meanwhile
+        return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
+                                 background=BackgroundTask(self.close_stream, claim, response))
+
+    async def relay(self, claim: Claim, response: httpx.Response):
+        router, worker_url = self.router, claim.worker.url
+        answer, prompt_ids, output_ids = [], None, []
+        kv, finish_reason, finished = None, None, False
+        lines = response.aiter_lines()
+        try:
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                self.work.resume()
+                if not line.startswith("data: "):
+                    self.work.pause()
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    finished = True
+                    await self.after_stream(worker_url, kv, prompt_ids, output_ids, finish_reason, "".join(answer))
+                    router.metrics.requests.labels("ok").inc()
+                    self.observe_work()
+                    self.work.pause()
+                    yield "data: [DONE]\n\n"
+                    continue
+                if prompt_ids is None and not self.wants_ids:
+                    payload, ids_text = cut_int_list(payload, "prompt_token_ids")
+                    prompt_ids = self.echoed_prompt_ids(ids_text)
+                chunk = json.loads(payload)
+                prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
+                for choice in chunk.get("choices") or []:
+                    prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+                    answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
+                                  else choice.get("text") or "")
+                    output_ids.extend(choice.get("token_ids") or ())
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                if "kv_transfer_params" in chunk:  # vLLM with streamed params (after 0.32)
+                    kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
+                self.strip_ids(chunk)
+                if finish_reason and "kvturn" not in chunk:
+                    chunk["kvturn"] = self.merged_kvturn(None, worker_url)
+                out = f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                self.work.pause()
+                yield out
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
+            yield f"data: {json.dumps(error_body(503, 'the decode worker failed mid-stream'))}\n\n"
+        finally:
+            self.work.pause()
+            claim.release()
+            if not finished:
+                if self.key:
+                    await router.table.drop(self.key)
+                router.metrics.requests.labels("decode_error").inc()
+            await response.aclose()
+
+    async def after_stream(self, decode_url: str, kv: dict | None, prompt_ids: list[int] | None,
+                           output_ids: list[int], finish_reason: str | None, answer: str) -> None:
+        """Record what the next turn may reuse before the last write: a client may hang up right after [DONE]."""
+        metrics = self.vllm.metrics
+        if kv is not None:
+            metrics.streams.labels("stream").inc()
+            retained = vllm_reuse.retained_token_ids(prompt_ids, output_ids, kv.get("remote_num_tokens"))
+            await self.remember_vllm(decode_url, kv, retained, answer)
+            return
+        metrics.stream_without_kv_params.inc()
+        ids = (prompt_ids or []) + output_ids
+        if self.key is None or not self.router.config.vllm_retain_streamed_turns or not prompt_ids or \
+                finish_reason not in FINISHED_WITH_RETENTION:
+            metrics.streams.labels("none").inc()
+            await self.remember_vllm(decode_url, None, None, answer)
+            return
+        await self.router.table.drop(self.key)  # until the retention call answers, there is nothing to reuse
+        if self.history is not None:
+            digest = self.history.extended({"role": "assistant", "content": answer})
+            await self.router.table.remember_history(digest, self.key)
+        task = asyncio.create_task(self.retain(decode_url, ids))
+        self.vllm.pending[self.key] = task
+        task.add_done_callback(lambda done, key=self.key: self.vllm.pending.pop(key, None)
+                               if self.vllm.pending.get(key) is done else None)
+
+    async def retain(self, decode_url: str, ids: list[int]) -> None:
+        """Ask D to compute (from its prefix cache: all but the last partial block) and retain prompt + answer,
+        returning the params the stream could not carry."""
+        router, metrics = self.router, self.vllm.metrics
+        body = {"model": self.body.get("model"), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "return_token_ids": True, "kv_transfer_params": dict(RETAIN_AS_PREFILL)}
+        worker = router.decode.find(decode_url)
+        try:
+            if worker is None:
+                raise httpx.HTTPError("decode worker left the pool")
+            with router.decode.claim(worker):
+                response = await router.http.post(decode_url + "/v1/completions", json=body)
+            kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("retention call to %s failed: %s", decode_url, exc)
+            kv = None
+        metrics.streams.labels("retention_call" if kv else "none").inc()
+        retained = vllm_reuse.retained_token_ids(ids, None, kv.get("remote_num_tokens") if kv else None)
+        messages = self.body.get("messages")
+        order = len(messages) if isinstance(messages, list) else 0
+        if kv and retained and kv.get("remote_block_ids"):
+            lease_end = time.time() + router.config.vllm_retention_lease_s - RETENTION_MARGIN_S
+            await router.table.put(Conversation(self.key, decode_url, stored_params(kv, lease_end), 0.0, order,
+                                                retained))

@@ -1,0 +1,178 @@
+"""The conversation table and the worker registry in Redis, against a real redis-server of the test's own."""
+import asyncio
+import random
+import shutil
+import time
+
+import pytest
+import redis
+
+from kvturn.launch import RedisServer
+from kvturn.registry import WorkerRegistry
+from kvturn.router.conversations import Conversation
+from kvturn.router.redis_state import HISTORY_DIGESTS_KEPT, UNAVAILABLE, RedisConversationTable
+from kvturn.router.workers import WorkerPool
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make install installs it)")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as started:
+        yield started
+
+
+@pytest.fixture
+def url(server):
+    if server.process.poll() is not None:
+        server.start()
+    redis.Redis.from_url(server.url).flushdb()
+    return server.url
+
+
+def entry(key, order=1, lease_s=60.0):
+    return Conversation(key, "http://d", {"handle": "h", "remote_blocks_expiry_time": time.time() + lease_s}, 0.0,
+                        order)
+
+
+def with_table(url, scenario, ttl_s=60.0, **kwargs):
+    async def run():
+        table = RedisConversationTable(url, ttl_s, **kwargs)
+        try:
+            return await scenario(table)
+        finally:
+            await table.close()
+    return asyncio.run(run())
+
+
+def test_put_then_lookup_and_drop(url):
+    async def scenario(table):
+        assert await table.put(entry("public:a", order=3))
+        found, why = await table.lookup("public:a")
+        assert why is None and found.decode_url == "http://d" and found.order == 3 and found.kv_params["handle"] == "h"
+        await table.drop("public:a")
+        assert await table.lookup("public:a") == (None, None)
+    with_table(url, scenario)
+
+
+def test_an_older_turn_never_overwrites_a_newer_one(url):
+    async def scenario(table):
+        assert await table.put(entry("public:a", order=5))
+        assert not await table.put(entry("public:a", order=3))
+        assert await table.put(entry("public:a", order=5))  # the same turn again (a retry) may
+        assert (await table.lookup("public:a"))[0].order == 5
+    with_table(url, scenario)
+
+
+def test_replicas_racing_on_one_conversation_keep_the_newest_turn(url):
+    orders = list(range(1, 41))
+    random.Random(0).shuffle(orders)
+
+    async def scenario(table):
+        replicas = [RedisConversationTable(url, 60.0) for _ in range(3)]
+        await asyncio.gather(*(replicas[i % 3].put(entry("public:race", order)) for i, order in enumerate(orders)))
+        for replica in replicas:
+            await replica.close()
+        assert (await table.lookup("public:race"))[0].order == max(orders)
+    with_table(url, scenario)
+
+
+def test_redis_expires_an_entry_when_its_lease_or_the_conversation_ttl_ends(url):
+    client = redis.Redis.from_url(url)
+
+    async def scenario(table):
+        await table.put(entry("public:long-lease", lease_s=600))
+        await table.put(entry("public:short-lease", lease_s=0.3))
+        assert 25_000 < client.pttl("kvturn:conv:public:long-lease") <= 30_000  # the conversation TTL
+        assert 0 < client.pttl("kvturn:conv:public:short-lease") <= 300
+        await asyncio.sleep(0.4)
+        assert await table.lookup("public:short-lease") == (None, None)
+        assert not client.exists("kvturn:conv:public:short-lease")
+    with_table(url, scenario, ttl_s=30.0)
+
+
+def test_history_finds_the_longest_remembered_prefix(url):
+    async def scenario(table):
+        await table.remember_history("d1", "public:a")
+        await table.remember_history("d3", "public:b")
+        assert await table.find_history(["d0", "d1", "d2", "d3", "d4"]) == "public:b"
+        assert await table.find_history(["d0", "d1", "d2"]) == "public:a"
+        assert await table.find_history(["x"]) is None
+        assert await table.find_history([f"n{i}" for i in range(1000)] + ["d1"]) == "public:a"
+    with_table(url, scenario)
+
+
+def test_a_conversation_keeps_only_its_latest_history_digests(url):
+    client = redis.Redis.from_url(url)
+
+    async def scenario(table):
+        for turn in range(10):
+            await table.remember_history(f"turn-{turn}", "public:a")
+        kept = [f"turn-{turn}" for turn in range(10 - HISTORY_DIGESTS_KEPT, 10)]
+        assert await table.find_history(["turn-0"]) is None
+        assert all([await table.find_history([digest]) == "public:a" for digest in kept])
+        assert len(client.keys("kvturn:hist:*")) == HISTORY_DIGESTS_KEPT
+        assert 0 < client.pttl("kvturn:hist:turn-9") <= 30_000 and 0 < client.pttl("kvturn:recent:public:a") <= 30_000
+        assert await table.size() == (0, HISTORY_DIGESTS_KEPT)
+    with_table(url, scenario, ttl_s=30.0)
+
+
+def test_trimming_a_conversations_digests_spares_one_another_conversation_took_over(url):
+    async def scenario(table):
+        await table.remember_history("shared", "public:a")
+        await table.remember_history("shared", "public:b")  # the same history, continued as b
+        for turn in range(HISTORY_DIGESTS_KEPT):
+            await table.remember_history(f"a-{turn}", "public:a")
+        assert await table.find_history(["shared"]) == "public:b"
+    with_table(url, scenario)
+
+
+def test_a_stopped_redis_costs_a_turn_nothing_and_is_used_again_once_back(server, url):
+    errors = []
+
+    async def scenario(table):
+        await table.put(entry("public:a"))
+        server.stop()
+        started = time.perf_counter()
+        assert await table.lookup("public:a") == (None, UNAVAILABLE)
+        assert not await table.put(entry("public:b"))
+        await table.remember_history("d", "public:b")
+        assert await table.find_history(["d"]) is None
+        assert time.perf_counter() - started < 1.0
+        assert table.health()["healthy"] is False and table.health()["last_error"] and errors
+        server.start()  # empty: Redis kept nothing
+        await table.sweep()
+        assert table.health() == {"backend": "redis", "healthy": True, "last_error": None}
+        assert await table.lookup("public:a") == (None, None)
+        assert await table.put(entry("public:a", order=2))
+        assert (await table.lookup("public:a"))[0].order == 2
+    with_table(url, scenario, on_error=lambda: errors.append(1))
+
+
+def test_workers_registry_lists_live_registrations_and_forgets_expired_ones(url):
+    async def scenario():
+        registry = WorkerRegistry(url)
+        await registry.announce("prefill", "http://127.0.0.1:9001", ttl_s=60)
+        await registry.announce("decode", "http://127.0.0.1:9002", ttl_s=0.2)
+        assert await registry.members() == {"prefill": ["http://127.0.0.1:9001"], "decode": ["http://127.0.0.1:9002"]}
+        await asyncio.sleep(0.3)
+        assert await registry.members() == {"prefill": ["http://127.0.0.1:9001"]}
+        await registry.withdraw("prefill", "http://127.0.0.1:9001")
+        assert await registry.members() == {}
+        await registry.close()
+        unreachable = WorkerRegistry("redis://127.0.0.1:1/0")
+        assert await unreachable.members() is None
+        await unreachable.close()
+    asyncio.run(scenario())
+
+
+def test_a_pool_adds_registered_workers_and_drops_unregistered_ones_that_stopped_answering():
+    pool = WorkerPool(["http://static:1"], "decode")
+    pool.follow_registry(["http://new:2/", "http://other:3"])
+    assert [w.url for w in pool.workers] == ["http://static:1", "http://new:2", "http://other:3"]
+    assert not pool.find("http://new:2").healthy  # until a probe says otherwise
+    pool.find("http://other:3").healthy = True
+    pool.find("http://static:1").healthy = False
+    pool.follow_registry([])  # e.g. Redis restarted empty: who still answers stays until it registers again
+    assert [w.url for w in pool.workers] == ["http://static:1", "http://other:3"]
