@@ -269,7 +269,8 @@ def bench(
                       f"{ideal['ttft_on_ms']:.0f} ms (ON) = {ideal['measured_speedup']:.2f}x; ideal "
                       f"{ideal['ideal_speedup']:.2f}x (full prefill {ideal['full_prefill_ms']:.0f} ms / (suffix "
                       f"{ideal['suffix_prefill_ms']:.0f} ms + raw NIXL read {ideal['raw_nixl_read_ms']:.1f} ms)); "
-                      f"measured/ideal {ideal['fraction_of_ideal']:.0%}")
+                      f"measured/ideal {ideal['fraction_of_ideal']:.0%}; time outside compute and transfer in the ON "
+                      f"turn: {ideal['other_ms']:.0f} ms (router, side channel, queues)")
     elif ideal:
         console.print(f"ideal speedup: {ideal.get('note')}")
     paths_verdict = comparison.path_verdict(summaries) if compare else None

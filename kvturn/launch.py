@@ -1,4 +1,5 @@
 """Start and stop kvturn processes (used by `kvturn serve`, the benchmark and the integration tests)."""
+import ctypes
 import os
 import random
 import secrets
@@ -12,6 +13,9 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -36,11 +40,20 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+def _end_with_parent() -> None:
+    """In the child: have the kernel send SIGTERM when the process that started us dies (Linux), so a killed
+    benchmark or test run leaves no servers behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 def start(args: list[str], log_path: Path | None = None, env: dict | None = None) -> subprocess.Popen:
-    """Run `python -m kvturn.cli ARGS` in its own process group."""
+    """Run `python -m kvturn.cli ARGS` in its own process group; it ends when this process does."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", "kvturn.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_end_with_parent)
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:

@@ -148,6 +148,7 @@ def ideal_speedup(results: dict, model_dir: str) -> dict | None:
             "turn": longest.turn, "full_prefill_ms": full_ms, "suffix_prefill_ms": suffix_ms,
             "kv_bytes": nbytes, "raw_nixl_read_ms": raw_read_ms, "ideal_speedup": ideal,
             "ttft_off_ms": longest.ttft_ms, "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured,
+            "other_ms": on_row["other_ms"],
             "fraction_of_ideal": measured / ideal}
 
 

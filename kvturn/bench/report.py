@@ -75,15 +75,11 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
     console = console or Console()
     table = Table(title=title)
     for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "other p50", "TPOT p50", "TPOT p90", "session p50",
-                "reuse / declines / paths", "D->P MiB", "P->D MiB", "peak retained MiB"):
-        table.add_column(col, justify="right" if col != "reuse / declines / paths" else "left")
+                "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"):
+        table.add_column(col, justify="right" if col != "reuse / declines" else "left")
     nan = float("nan")
     for s in summaries:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items()))
-        if s.get("paths"):
-            within = s.get("predicted_within_20pct")
-            outcomes += "; paths " + ", ".join(f"{k} {v}" for k, v in sorted(s["paths"].items()))
-            outcomes += f"; predicted within 20%: {within:.0%}" if within is not None else ""
         table.add_row(s["leg"], f"{s['requests'] - s['failed']}/{s['failed']}",
                       f"{s['ttft_ms'].get('p50', nan):.0f} ms", f"{s['ttft_ms'].get('p90', nan):.0f} ms",
                       f"{s.get('other_ms', {}).get('p50', nan):.0f} ms",
