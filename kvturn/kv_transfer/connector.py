@@ -126,13 +126,14 @@ class KVConnector:
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
+        started = time.perf_counter()  # before posting: over shared memory, UCX copies inside the post itself
         try:
             handle = self.nixl.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
         except Exception:
             log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
             return False
         seq.status = Status.LOADING_KV
-        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, time.perf_counter(), decision))
+        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, started, decision))
         return True
 
     # ---- each step: progress of reads, leases past their time
