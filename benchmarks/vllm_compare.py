@@ -24,11 +24,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from kvturn import launch
+from kvturn.bench.vllm_servers import VLLMServer, metric, start_all
 
-from kvturn import launch  # noqa: E402
-from kvturn.bench.vllm_servers import VLLMServer, metric, start_all  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = ("import os def return class self value list dict print for while yield lambda async await with "
          "tuple range index parse token block cache prefix decode prefill agent tool result").split()
@@ -87,6 +86,7 @@ def run_leg(name: str, url: str, model: str, work: list[dict], answer_tokens: in
                 record = {"leg": name, "conversation": conv["id"], "turn": turn, **result,
                           "prompt_tokens": kvturn.get("prompt_tokens"), "reuse": kvturn.get("reuse"),
                           "router_ms": (kvturn.get("timing") or {}).get("router_ms"),
+                          "router_cpu_ms": (kvturn.get("timing") or {}).get("router_cpu_ms"),
                           "tokens_passed": kvturn.get("tokens_passed"),
                           "tokens_from_decode": kvturn.get("prompt_tokens_from_decode")}
                 if before:
@@ -128,7 +128,7 @@ def p50(values): return statistics.median(values) if values else float("nan")
 
 def p99(values):
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))] if values else float("nan")
+    return values[min(len(values) - 1, round(0.99 * (len(values) - 1)))] if values else float("nan")
 
 
 def fmt(value, unit=""):
@@ -137,19 +137,22 @@ def fmt(value, unit=""):
 
 def report(records: list[dict], turns: int) -> str:
     header = ["leg"] + [f"TTFT t{t} p50" for t in range(1, turns + 1)] + [
-        "TTFT t2+ p50", "prefill leg t2+ p50", "session p50", "loaded from D (t2+)", "router own p50 / p99"]
+        "TTFT t2+ p50", "prefill leg t2+ p50", "session p50", "loaded from D (t2+)",
+        "router own work p50 / p99 (wall)", "(CPU)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for leg in dict.fromkeys(r["leg"] for r in records):
         rows = [r for r in records if r["leg"] == leg]
         later = [r for r in rows if r["turn"] > 1]
         sessions = {r["conversation"]: r["session_s"] for r in rows}
         own = [r["router_ms"] for r in rows if r.get("router_ms") is not None]
+        own_cpu = [r["router_cpu_ms"] for r in rows if r.get("router_cpu_ms") is not None]
         cells = [leg] + [fmt(p50([r["ttft_ms"] for r in rows if r["turn"] == t]), " ms") for t in range(1, turns + 1)]
         cells += [fmt(p50([r["ttft_ms"] for r in later]), " ms"),
                   fmt(p50([r["prefill_ms"] for r in later if r["prefill_ms"] is not None]), " ms"),
                   fmt(p50(list(sessions.values())), " s"),
                   f"{sum(r['loaded_from_decode'] or 0 for r in later):.0f} tokens",
-                  f"{fmt(p50(own))} / {fmt(p99(own))} ms" if own else "-"]
+                  f"{fmt(p50(own))} / {fmt(p99(own))} ms" if own else "-",
+                  f"{fmt(p50(own_cpu))} / {fmt(p99(own_cpu))} ms" if own_cpu else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

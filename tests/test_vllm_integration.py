@@ -13,7 +13,6 @@ never exceeds the prefix the new prompt shares with D's retained tokens, compute
 import os
 import random
 import time
-from pathlib import Path
 
 import httpx
 import pytest

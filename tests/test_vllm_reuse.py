@@ -2,7 +2,11 @@
 import random
 
 from kvturn.router import vllm_reuse as reuse
-from kvturn.router.vllm_reuse import common_prefix_len, retained_token_ids, verified_reuse
+from kvturn.router.vllm_reuse import (
+    common_prefix_len,
+    retained_token_ids,
+    verified_reuse,
+)
 
 BLOCK = 128
 
@@ -95,19 +99,20 @@ D_PARAMS = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_
 
 
 def test_prefill_gets_decode_params_unchanged_but_for_the_flags_and_the_verified_count():
-    from kvturn.router.vllm_turn import params_for_prefill, stored_params
+    from kvturn.router.vllm_params import params_for_prefill, stored_params
     stored = stored_params(D_PARAMS | {"do_remote_decode": False, "do_remote_prefill": True}, lease_end=None)
     assert params_for_prefill(stored, 640) == D_PARAMS | {"remote_num_tokens": 640}
 
 
 def test_the_table_never_reads_decodes_monotonic_expiry_as_wall_clock():
-    from kvturn.router.vllm_turn import stored_params
+    from kvturn.router.vllm_params import stored_params
     assert stored_params(D_PARAMS)["remote_blocks_expiry_time"] is None
     assert stored_params(D_PARAMS, lease_end=2e9)["remote_blocks_expiry_time"] == 2e9
 
 
 def test_token_id_lists_are_cut_and_parsed_as_json_would():
     import json
+
     from kvturn.router.fast_json import cut_int_list, encode_with, parse_int_list
     chunk = {"id": "c", "choices": [{"delta": {"content": 'say "prompt_token_ids":[9]'}}], "prompt_token_ids": [1, 2, 3]}
     rest, ids_text = cut_int_list(json.dumps(chunk, separators=(",", ":")), "prompt_token_ids")

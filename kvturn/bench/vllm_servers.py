@@ -13,7 +13,7 @@ from kvturn.launch import free_port, wait_healthy
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "vllm_pd.sh"
 START_TIMEOUT_S = 600.0  # P and D together take ~2.5 min on 2 cores, more when the machine is shared
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$", re.M)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$", re.MULTILINE)
 
 
 class VLLMServer:

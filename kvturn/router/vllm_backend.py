@@ -23,7 +23,7 @@ RETENTION_WAIT_S = 2.0  # a next turn waits this long at most for the previous s
 RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
                     "chat_template_kwargs", "tools", "documents", "mm_processor_kwargs")
 JSON = {"Content-Type": "application/json"}
-_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.M)
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 _OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -87,9 +87,9 @@ class VLLMBackend:
     async def _ask(client: httpx.AsyncClient, url: str) -> str:
         """kvturn's /health names itself; vLLM's answers with an empty body and has /version."""
         health = await client.get(f"{url}/health", timeout=2.0)
-        if health.content and health.headers.get("content-type", "").startswith("application/json"):
-            if health.json().get("backend") == KVTURN:
-                return KVTURN
+        is_json = health.headers.get("content-type", "").startswith("application/json")
+        if health.content and is_json and health.json().get("backend") == KVTURN:
+            return KVTURN
         version = await client.get(f"{url}/version", timeout=2.0)
         return VLLM if version.status_code == 200 and "version" in version.json() else KVTURN
 

@@ -17,40 +17,15 @@ from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
 from kvturn.router.fast_json import cut_int_list, encode_with, parse_int_list
-from kvturn.router.vllm_backend import JSON
 from kvturn.router.turn import Turn, UpstreamError
+from kvturn.router.vllm_backend import JSON
+from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
+from kvturn.router.vllm_retention import retain_streamed_turn
 from kvturn.router.work_clock import WorkClock
 from kvturn.router.workers import Claim
 
 log = logging.getLogger("kvturn.router")
-PREFILL_STUB = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# D computes locally and pins the result as a prefill worker pins for a decode: the one request shape that vLLM 0.32
-# both retains and frees once read (with both flags false it retains and never frees). Pinned for D's
-# kv_lease_duration, and the params carry no expiry: the router bounds the entry itself.
-RETAIN_AS_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
-RETENTION_MARGIN_S = 5.0
 FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends
-EXPIRY = "remote_blocks_expiry_time"
-STORED_EXPIRY = "vllm_" + EXPIRY  # the table reads EXPIRY as wall clock; vLLM's is D's monotonic clock
-
-
-def stored_params(params: dict, lease_end: float | None = None) -> dict:
-    """D's params as the conversation table keeps them: `lease_end` (wall clock) or the table's TTL, below D's,
-    bounds the entry."""
-    stored = dict(params)
-    stored[STORED_EXPIRY] = stored.pop(EXPIRY, None)
-    stored[EXPIRY] = lease_end
-    return stored
-
-
-def params_for_prefill(stored: dict, remote_num_tokens: int) -> dict:
-    """D's params exactly as D returned them, but for the flags and the verified token count."""
-    params = {k: v for k, v in stored.items() if k != STORED_EXPIRY}
-    params[EXPIRY] = stored.get(STORED_EXPIRY)
-    return params | {"do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": remote_num_tokens}
-
-
 class VLLMTurn(Turn):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,6 +34,7 @@ class VLLMTurn(Turn):
         self.tokens_claimed = self.tokens_verified = self.tokens_passed = 0
         self.pinned_ids: list[int] | None = None  # ids from the local tokenizer: the workers must compute these
         self.wants_ids = bool(self.body.get("return_token_ids"))
+        self.one_choice = self.body.get("n") in (None, 1)  # with several answers, which one D's KV holds is unclear
         self.work = WorkClock()  # paused around every wait on a worker or the client
         self.tokenize_s = 0.0
         self.prompt_ids: list[int] | None = None
@@ -202,7 +178,8 @@ class VLLMTurn(Turn):
             return
         router = self.router
         claimed = kv.get("remote_num_tokens") if isinstance(kv, dict) else None
-        if isinstance(claimed, int) and claimed > 0 and kv.get("do_remote_decode") and retained_ids:
+        if isinstance(claimed, int) and claimed > 0 and kv.get("do_remote_decode") and retained_ids and \
+                self.one_choice:
             messages = self.body.get("messages")
             order = len(messages) if isinstance(messages, list) else 0
             await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, order,
@@ -374,7 +351,7 @@ class VLLMTurn(Turn):
         metrics.stream_without_kv_params.inc()
         ids = (prompt_ids or []) + output_ids
         if self.key is None or not self.router.config.vllm_retain_streamed_turns or not prompt_ids or \
-                finish_reason not in FINISHED_WITH_RETENTION:
+                finish_reason not in FINISHED_WITH_RETENTION or not self.one_choice:
             metrics.streams.labels("none").inc()
             await self.remember_vllm(decode_url, None, None, answer)
             return
@@ -382,32 +359,10 @@ class VLLMTurn(Turn):
         if self.history is not None:
             digest = self.history.extended({"role": "assistant", "content": answer})
             await self.router.table.remember_history(digest, self.key)
-        task = asyncio.create_task(self.retain(decode_url, ids))
+        messages = self.body.get("messages")
+        order = len(messages) if isinstance(messages, list) else 0
+        task = asyncio.create_task(retain_streamed_turn(self.router, self.key, decode_url, self.body.get("model"),
+                                                        ids, order))
         self.vllm.pending[self.key] = task
         task.add_done_callback(lambda done, key=self.key: self.vllm.pending.pop(key, None)
                                if self.vllm.pending.get(key) is done else None)
-
-    async def retain(self, decode_url: str, ids: list[int]) -> None:
-        """Ask D to compute (from its prefix cache: all but the last partial block) and retain prompt + answer,
-        returning the params the stream could not carry."""
-        router, metrics = self.router, self.vllm.metrics
-        body = {"model": self.body.get("model"), "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "return_token_ids": True, "kv_transfer_params": dict(RETAIN_AS_PREFILL)}
-        worker = router.decode.find(decode_url)
-        try:
-            if worker is None:
-                raise httpx.HTTPError("decode worker left the pool")
-            with router.decode.claim(worker):
-                response = await router.http.post(decode_url + "/v1/completions", json=body)
-            kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            log.warning("retention call to %s failed: %s", decode_url, exc)
-            kv = None
-        metrics.streams.labels("retention_call" if kv else "none").inc()
-        retained = vllm_reuse.retained_token_ids(ids, None, kv.get("remote_num_tokens") if kv else None)
-        messages = self.body.get("messages")
-        order = len(messages) if isinstance(messages, list) else 0
-        if kv and retained and kv.get("remote_block_ids"):
-            lease_end = time.time() + router.config.vllm_retention_lease_s - RETENTION_MARGIN_S
-            await router.table.put(Conversation(self.key, decode_url, stored_params(kv, lease_end), 0.0, order,
-                                                retained))
