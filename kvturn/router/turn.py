@@ -181,13 +181,18 @@ class Turn:
                 raise UpstreamError(error_response(503, "no decode worker is available"))
             claim = router.decode.claim(worker)
             try:
-                request = router.http.build_request("POST", worker.url + self.path, json=d_body)
-                return claim, await router.http.send(request, stream=stream)
+                return claim, await self.send(self.decode_request(worker, d_body), stream=stream)
             except httpx.HTTPError:
                 claim.release()
                 router.decode.mark_dead(worker)
                 tried.add(worker.url)
                 router.metrics.retries.labels("decode_unreachable").inc()
+
+    def decode_request(self, worker: WorkerState, d_body: dict) -> httpx.Request:
+        return self.router.http.build_request("POST", worker.url + self.path, json=d_body)
+
+    async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        return await self.router.http.send(request, stream=stream)
 
     async def remember(self, decode_url: str, kv: dict | None, answer: str | None) -> None:
         if self.key is None:

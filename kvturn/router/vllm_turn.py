@@ -217,24 +217,10 @@ class VLLMTurn(Turn):
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)  # /v1/completions puts them on the choice
 
-    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response]:
-        """As Turn.open_decode, with the request built outside the wait."""
-        router = self.router
-        tried: set[str] = set()
-        while True:
-            worker = self.pick_decode(tried)
-            if worker is None:
-                raise UpstreamError(error_response(503, "no decode worker is available"))
-            claim = router.decode.claim(worker)
-            try:
-                request = router.http.build_request("POST", worker.url + self.path, content=self.encoded(d_body),
-                                                    headers=JSON)
-                return claim, await self.send(request, stream=stream)
-            except httpx.HTTPError:
-                claim.release()
-                router.decode.mark_dead(worker)
-                tried.add(worker.url)
-                router.metrics.retries.labels("decode_unreachable").inc()
+    def decode_request(self, worker, d_body: dict) -> httpx.Request:
+        """As Turn's, with the body encoded once for all the worker calls of the turn."""
+        return self.router.http.build_request("POST", worker.url + self.path, content=self.encoded(d_body),
+                                              headers=JSON)
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
