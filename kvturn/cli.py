@@ -125,6 +125,7 @@ def router(
     vllm_retain_streamed_turns: bool = option(RouterConfig, "vllm_retain_streamed_turns",
                                               "--vllm-retain-streamed-turns/--no-vllm-retain-streamed-turns"),
     vllm_retention_lease_s: float = option(RouterConfig, "vllm_retention_lease_s"),
+    trace_out: Optional[str] = option(RouterConfig, "trace_out"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -140,7 +141,7 @@ def router(
                    stall_weight=stall_weight, backend=backend, tokenizer_dir=tokenizer or None,
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
-                   vllm_retention_lease_s=vllm_retention_lease_s)
+                   vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
     setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 

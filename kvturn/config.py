@@ -160,6 +160,9 @@ class RouterConfig:
     vllm_retention_lease_s: float = setting(30.0, "vLLM backend: how long decode keeps what a retention call "
                                                   "retained (its kv_lease_duration); the router forgets it "
                                                   "5 s sooner")
+    trace_out: str | None = setting(None, "append one JSON line per finished turn to this file (arrival time, the "
+                                          "scoped conversation digest, prompt and output tokens, finish time): "
+                                          "the traffic record kvturn plan reads")
 
     def __post_init__(self):
         _check(bool(self.prefill_urls) and bool(self.decode_urls) or bool(self.discover_url),

@@ -24,6 +24,7 @@ from kvturn.router import keys
 from kvturn.router.conversations import ConversationTable
 from kvturn.router.paths import CostModel
 from kvturn.router.redis_state import RedisConversationTable
+from kvturn.router.trace_out import TraceOut
 from kvturn.router.turn import Turn
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_turn import VLLMTurn
@@ -73,6 +74,7 @@ class Router:
         else:
             self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
         self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
+        self.trace = TraceOut(config.trace_out)
         self.http: httpx.AsyncClient | None = None
 
     async def start(self) -> None:
@@ -87,6 +89,7 @@ class Router:
         self._health_task.cancel()
         await self.http.aclose()
         await self.table.close()
+        self.trace.close()
         if self.registry:
             await self.registry.close()
 

@@ -220,6 +220,7 @@ class Turn:
 
     def merged_kvturn(self, decode: dict | None, decode_url: str) -> dict:
         """One timing breakdown for the turn, from P's and D's own accounts."""
+        self.router.trace.record(self, decode)
         prefill = self.prefill.get("kvturn") or {}
         p_timing, d_timing = prefill.get("timing", {}), (decode or {}).get("timing", {})
         return {

@@ -212,6 +212,7 @@ class Worker:
             "prompt_tokens_computed": seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens,
             "prompt_tokens_cached": seq.num_cached_tokens,
             "prompt_tokens_remote": seq.num_remote_tokens,
+            "completion_tokens": seq.num_output_tokens,
             "reuse": seq.reuse_outcome,
             "kv_read_bytes": t.kv_read_bytes,
             "timing": {
