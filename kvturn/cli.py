@@ -264,6 +264,7 @@ def bench(
     summaries = [report.summarize(leg, result) for leg, result in results.items()]
     ideal = comparison.ideal_speedup(results, model_dir) if compare else None
     info = machine()
+    console.print(report.verdict(summaries))
     report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores)", console)
     if ideal and "ideal_speedup" in ideal:
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -287,10 +288,86 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
-                                  {"machine": info, "ideal_speedup": ideal, "scenario": payload["description"]})
+                                  {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
+                                   "scenario": payload["description"]},
+                                  splits={leg: report.ttft_split(result) for leg, result in results.items()})
     console.print(f"JSON: {json_path}\nplots: {', '.join(str(p) for p in plots.values())}\nHTML report: {html_path}")
     failed = sum(s["failed"] for s in summaries)
     raise typer.Exit(1 if failed else 0)
+
+
+@app.command()
+def plan(
+    workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
+                                                                          "JSONL trace (kvturn router --trace-out)"),
+    scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
+    calibration_file: Path = typer.Option(..., "--calibration", help="a kvturn bench results JSON from this "
+                                                                     "hardware, or a saved --save-calibration"),
+    prefill: int = typer.Option(1, help="prefill workers"),
+    decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
+    policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
+    prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
+                                                   help="whether prefill workers keep a prefix cache"),
+    legs: str = typer.Option(",".join(["colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on",
+                                       "bidir/P-cache-off", "compute-on-D", "adaptive"]), help="legs to predict"),
+    ttls: str = typer.Option("60,120,240,480", help="decode TTLs to sweep, s (the deployment's own is added)"),
+    sessions: Optional[int] = typer.Option(None, help="sessions replayed at once (default: the scenario's; a trace "
+                                                      "keeps its own start times)"),
+    turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
+    max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep scenario"),
+    seed: int = typer.Option(0),
+    one_host: bool = typer.Option(False, "--one-host", help="all workers share this machine's cores, as kvturn bench "
+                                                            "--compare runs them (slowdown calibrated from the run)"),
+    kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
+    decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
+    retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
+    model: Optional[Path] = ModelOption,
+    save_calibration: Optional[Path] = typer.Option(None, help="write the fitted cost model here, to reuse"),
+    out: Optional[Path] = typer.Option(None, help="output directory (default results/plan-WORKLOAD)"),
+):
+    """Predict, from a workload or a trace of real traffic, whether bidirectional KV transfer pays on this
+    deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by one
+    kvturn bench run on your hardware."""
+    import sys
+
+    from rich.console import Console
+
+    from kvturn.bench.compare import LEGS, SCENARIOS
+    from kvturn.plan import calibration, planner, report, trace
+    from kvturn.plan.sim import Deployment
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if (workload_file is None) == (scenario is None):
+        raise typer.BadParameter("give --workload FILE or --scenario NAME")
+    if scenario is not None and scenario not in SCENARIOS:
+        raise typer.BadParameter(f"scenario must be one of {sorted(SCENARIOS)}")
+    if policy not in planner.POLICY_LEGS:
+        raise typer.BadParameter(f"policy must be one of {sorted(planner.POLICY_LEGS)}")
+    chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
+    if any(leg not in LEGS for leg in chosen):
+        raise typer.BadParameter(f"unknown legs {[leg for leg in chosen if leg not in LEGS]}; choose from {list(LEGS)}")
+    try:
+        ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
+        cost_model = calibration.load(calibration_file)
+        clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
+        if scenario:
+            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
+        else:
+            workload = trace.load(workload_file, resolve_model(model), seed, clients)
+    except (trace.TraceError, calibration.CalibrationError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if any(t <= 0 for t in ttl_values) or prefill < 1 or decode < 1:
+        raise typer.BadParameter("TTLs and worker counts must be positive")
+    if save_calibration:
+        cost_model.save(save_calibration)
+    deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
+                            decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
+                            retained_kv_budget_mb=retained_kv_budget_mb,
+                            kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
+    result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values)
+    report.print_plan(result, console)
+    json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
+    console.print(f"JSON: {json_path}\nHTML: {html_path}")
 
 
 if __name__ == "__main__":

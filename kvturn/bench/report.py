@@ -120,7 +120,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     axes[0].set_ylabel("mean TTFT (ms)")
     axes[0].legend(fontsize=8)
     fig.suptitle("TTFT against prompt length")
-    paths["ttft_vs_prompt"] = _save(fig, out_dir / "ttft_vs_prompt.png")
+    paths["ttft_vs_prompt"] = save_figure(fig, out_dir / "ttft_vs_prompt.png")
 
     fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 4), sharey=True, squeeze=False)
     parts = [("prefill compute", "prefill_compute_ms", "#4c72b0"), ("D->P read", "d_to_p_read_ms", "#dd8452"),
@@ -140,7 +140,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     axes[0][0].set_ylabel("ms (mean per request)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Time to first token of later turns: compute, transfer and the rest")
-    paths["prefill_split"] = _save(fig, out_dir / "prefill_split.png")
+    paths["prefill_split"] = save_figure(fig, out_dir / "prefill_split.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     names = list(results)
@@ -148,7 +148,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     ax.bar(names, means, color="#4c72b0")
     ax.set(ylabel="mean completed-session time (s)", title="Session completion time")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    paths["session_time"] = _save(fig, out_dir / "session_time.png")
+    paths["session_time"] = save_figure(fig, out_dir / "session_time.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, result in results.items():
@@ -158,11 +158,11 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     ax.set(xlabel="seconds since start", ylabel="MiB", title="KV retained on decode workers")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths["retained_kv"] = _save(fig, out_dir / "retained_kv.png")
+    paths["retained_kv"] = save_figure(fig, out_dir / "retained_kv.png")
     return paths
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
@@ -170,27 +170,89 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict) -> Path:
-    def img(p: Path) -> str:
-        return f'<img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
+PAGE_STYLE = """body{font-family:sans-serif;max-width:1100px;margin:2em auto}
+table{border-collapse:collapse;margin:.5em 0}
+td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px}th{background:#f3f3f3}
+.verdict{font-size:16px;line-height:1.5;background:#eef5ee;padding:1em;border-left:4px solid #4c8c4c}"""
+SPLIT_PARTS = (("prefill compute", "prefill_compute_ms"), ("D->P read", "d_to_p_read_ms"),
+               ("P->D read", "p_to_d_read_ms"), ("compute on D", "decode_compute_ms"),
+               ("other: router, side channel, queues", "other_ms"))
 
-    head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "session p50 s", "reuse / declines",
-            "D->P MiB", "P->D MiB", "peak retained MiB"]
-    rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
-            s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
-            f"{s['ttft_ms'].get('p90', 0):.0f}", f"{s['tpot_ms'].get('p50', 0):.1f}",
-            f"{s['session_time_s'].get('p50', 0):.1f}",
-            ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items())),
-            f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
-            f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")) + "</tr>" for s in summaries)
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;font-size:13px}}pre{{background:#f6f6f6;padding:1em}}</style></head>
-<body><h1>{html.escape(title)}</h1>
-<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>{rows}</table>
-<h2>Details</h2><pre>{html.escape(json.dumps(extra, indent=2))}</pre>
-{''.join(f'<h2>{html.escape(k)}</h2>{img(p)}' for k, p in plots.items())}
-</body></html>"""
-    path.write_text(page)
+
+def html_table(columns, rows) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def html_page(title: str, body: str, plots: dict[str, Path]) -> str:
+    """One self-contained page: the body, then each plot embedded."""
+    images = "".join(f'<h2>{html.escape(name)}</h2><img src="data:image/png;base64,'
+                     f'{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
+                     for name, p in plots.items())
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{PAGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}{images}</body></html>")
+
+
+def ttft_split(result: RunResult) -> dict[str, float]:
+    """Mean ms per request of each part of the time to first token, the time outside compute and transfer
+    included as its own part."""
+    ok = [r for r in result.requests if r.error is None and not r.warmup and r.ttft_ms is not None]
+    return {key: float(np.mean([getattr(r, key) or 0.0 for r in ok])) if ok else 0.0 for _, key in SPLIT_PARTS}
+
+
+def verdict(summaries: list[dict]) -> str:
+    """The run in words: what bidirectional transfer did to TTFT against the same P/D leg without it, what
+    decode workers retained for it, and how much of TTFT was neither compute nor transfer."""
+    legs = {s["leg"]: s for s in summaries}
+    words = []
+    for cache in ("off", "on"):
+        off, on = legs.get(f"pd/P-cache-{cache}"), legs.get(f"bidir/P-cache-{cache}")
+        if off and on and off["ttft_ms"] and on["ttft_ms"]:
+            before, after = off["ttft_ms"]["p50"], on["ttft_ms"]["p50"]
+            words.append(f"With prefix caching {cache} on prefill, bidirectional transfer "
+                         f"{'cut' if after < before else 'did not cut'} TTFT p50 from {before:.0f} to {after:.0f} ms "
+                         f"({before / after:.2f}x), holding up to {on['peak_retained_kv_bytes'] / 2**20:.1f} MiB of "
+                         f"retained KV on decode workers.")
+    for s in summaries:
+        ttft, other = s["ttft_ms"].get("p50"), s.get("other_ms", {}).get("p50")
+        if ttft and other is not None:
+            words.append(f"{s['leg']}: {other:.0f} ms of its {ttft:.0f} ms TTFT p50 is outside compute and transfer.")
+    if not words:
+        words = [f"{s['leg']}: TTFT p50 {s['ttft_ms'].get('p50', float('nan')):.0f} ms, {s['failed']} failed."
+                 for s in summaries]
+    return " ".join(words)
+
+
+def _details(extra: dict) -> str:
+    """Each entry of `extra` as a table of its fields (nested values as compact JSON)."""
+    parts = []
+    for name, value in extra.items():
+        if value is None:
+            continue
+        rows = value.items() if isinstance(value, dict) else [("value", value)]
+        cells = [[k, v if isinstance(v, (str, int)) else f"{v:.4g}" if isinstance(v, float) else json.dumps(v)]
+                 for k, v in rows]
+        parts.append(f"<h3>{html.escape(name)}</h3>{html_table(('field', 'value'), cells)}")
+    return "".join(parts)
+
+
+def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict,
+               splits: dict[str, dict] | None = None) -> Path:
+    head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "other p50 ms", "TPOT p50 ms", "session p50 s",
+            "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"]
+    rows = [[s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
+             f"{s['ttft_ms'].get('p90', 0):.0f}", f"{s.get('other_ms', {}).get('p50', 0):.0f}",
+             f"{s['tpot_ms'].get('p50', 0):.1f}", f"{s['session_time_s'].get('p50', 0):.1f}",
+             ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items())),
+             f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
+             f"{s['peak_retained_kv_bytes'] / 2**20:.1f}"] for s in summaries]
+    split_table = ""
+    if splits:
+        split_rows = [[leg] + [f"{split[key]:.1f}" for _, key in SPLIT_PARTS] for leg, split in splits.items()]
+        split_table = ("<h2>Where the time to first token goes (mean ms per request)</h2>"
+                       + html_table(["leg"] + [name for name, _ in SPLIT_PARTS], split_rows))
+    body = (f"<p class=verdict>{html.escape(verdict(summaries))}</p>{html_table(head, rows)}{split_table}"
+            f"<h2>Details</h2>{_details(extra)}")
+    path.write_text(html_page(title, body, plots))
     return path

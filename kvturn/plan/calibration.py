@@ -1,0 +1,68 @@
+"""The cost model `kvturn plan` simulates with: prefill compute against tokens and context (the router's own
+`ComputeFit` terms), decode step time against batch and context, how much slower each runs while the other role
+is busy on the same cores, NIXL read time per MiB each way, KV bytes per token, and per deployment leg the time to
+first token that is neither compute nor transfer. Fitted (fit.py) to one `kvturn bench` run on the user's own
+machine and saved as a small JSON, so a user calibrates once."""
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvturn.plan.fit import CalibrationError, fitted
+
+KIND = "kvturn-calibration"
+
+
+@dataclass(slots=True)
+class Calibration:
+    # ms to compute n prompt tokens after `context` = a + b n + k n (context + n/2) / 1e3, per kind of worker:
+    # "prefill" (P, its core shared with D), "decode" (D, beside its running decodes), "colocated"
+    compute_fits: dict[str, tuple[float, float, float]]
+    decode_step_fit: tuple[float, float, float]  # ms of one decode step = a + b batch + k context tokens / 1e3
+    # workers sharing cores (one host): "prefill_slowdown", the share by which a prompt's compute grows while the
+    # other role is busy, and "decode_step_ms", what a decode step gains while a prefill runs
+    contention: dict[str, float]
+    read_ms_per_mib: dict[str, float]  # "d_to_p", "p_to_d"
+    kv_bytes_per_token: float
+    other_ms: dict[str, float]  # per leg: time to first token outside compute and transfer, with no queue
+    source: str = ""
+    samples: dict[str, int] = field(default_factory=dict)
+
+    def prefill_ms(self, new_tokens: int, context: int, worker: str = "prefill") -> float:
+        a, b, k = self.compute_fits.get(worker) or self.compute_fits["prefill"]
+        return a + b * new_tokens + k * new_tokens * (context + new_tokens / 2) / 1e3 if new_tokens > 0 else 0.0
+
+    def read_ms(self, tokens: int, direction: str) -> float:
+        return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
+
+    def other(self, leg: str) -> float:
+        """A leg the calibration run did not measure takes the median of those it did."""
+        return self.other_ms.get(leg, float(np.median(list(self.other_ms.values()))) if self.other_ms else 0.0)
+
+    def save(self, path: Path) -> Path:
+        Path(path).write_text(json.dumps({"kind": KIND, **asdict(self)}, indent=2))
+        return Path(path)
+
+
+def load(path: Path) -> Calibration:
+    """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{path}: expected a kvturn bench results JSON or a saved calibration")
+    if data.get("kind") == KIND:
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        try:
+            calibration = Calibration(**fields)
+        except TypeError as exc:
+            raise CalibrationError(f"{path}: malformed calibration ({exc})") from None
+        calibration.compute_fits = {kind: tuple(c) for kind, c in calibration.compute_fits.items()}
+        calibration.decode_step_fit = tuple(calibration.decode_step_fit)
+        return calibration
+    try:
+        return Calibration(**fitted(data, source=Path(path).name))
+    except CalibrationError as exc:
+        raise CalibrationError(f"{path}: {exc}") from None

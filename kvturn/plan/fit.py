@@ -1,0 +1,174 @@
+"""Fitting the plan's cost model to one `kvturn bench` results JSON: its per-request rows say how many prompt
+tokens each worker computed and in how long, what was read each way, TTFT and TPOT, and when each request ran,
+from which the batch, and whether the other role was busy on the shared cores, are worked out."""
+import numpy as np
+
+from kvturn.bench.compare import LEGS
+from kvturn.config import EngineConfig, default_of
+from kvturn.plan.rows import Row, busy_share, decode_interval, prefill_interval, rows_of
+from kvturn.router.paths import ComputeFit
+
+BLOCK_SIZE = default_of(EngineConfig, "block_size")
+MIN_FIT_SAMPLES = 4
+QUIET_SHARE = 0.25  # a prompt computed with the other role busy for less than this is taken as uncontended
+MAX_SLOWDOWN = 3.0
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+def fit_compute(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+    """The router's compute model (`ComputeFit`'s terms), fitted to relative error: most turns of an agent compute
+    a few hundred tokens, and an absolute fit would let the few long first prompts decide their cost. A coefficient
+    that comes out negative is dropped and the rest refitted (no negative cost per token)."""
+    x = np.array([ComputeFit._features(new, context) for new, context, _ in samples])
+    y = np.array([ms for _, _, ms in samples])
+    active = [0, 1, 2]
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active] / y[:, None], np.ones(len(y)), rcond=None)
+        if (solution >= 0).all():
+            break
+        active.pop(int(np.argmin(solution)))
+    coefficients = np.zeros(3)
+    coefficients[active] = solution
+    return tuple(float(c) for c in coefficients)
+
+
+def predict_compute(coefficients, new: int, context: int) -> float:
+    return float(np.dot(coefficients, ComputeFit._features(new, context)))
+
+
+def _shared_steps(leg_rows: list[Row]) -> set[float]:
+    """Prefill times reported by more than one request: prompts computed in the same steps each report the
+    steps' whole time, which says nothing of one prompt's cost."""
+    seen: dict[float, int] = {}
+    for row in leg_rows:
+        key = round(row.prefill_compute_ms, 1)
+        seen[key] = seen.get(key, 0) + 1
+    return {key for key, count in seen.items() if count > 1}
+
+
+def _new_tokens_on_decode(row: Row, previous: Row | None) -> int | None:
+    """What D computed on the compute-on-decode path: the prompt beyond the full blocks it retained last turn."""
+    if previous is None:
+        return None
+    retained = (previous.input_tokens + previous.output_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+    return row.input_tokens - retained if 0 < retained < row.input_tokens else None
+
+
+def compute_samples(by_leg: dict[str, list[Row]]) -> dict[str, list[tuple[int, int, float, float]]]:
+    """(new tokens, context, ms, share of the time the other role was busy) per kind of worker, one prompt at a
+    time."""
+    samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
+    for leg, leg_rows in by_leg.items():
+        colocated = leg in LEGS and LEGS[leg].mode == "colocated"
+        shared = _shared_steps(leg_rows)
+        decoding = [decode_interval(r) for r in leg_rows]
+        previous: dict[str, Row] = {}
+        for row in sorted(leg_rows, key=lambda r: (r.conversation_id, r.turn)):
+            if row.computed and row.prefill_compute_ms > 0 and round(row.prefill_compute_ms, 1) not in shared:
+                busy = 0.0 if colocated else busy_share(prefill_interval(row), decoding, decode_interval(row))
+                samples["colocated" if colocated else "prefill"].append(
+                    (row.computed, row.input_tokens - row.computed, row.prefill_compute_ms, busy))
+            new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
+            if row.decode_compute_ms > 0 and new:
+                samples["decode"].append((new, row.input_tokens - new, row.decode_compute_ms, 0.0))
+            previous[row.conversation_id] = row
+    return samples
+
+
+def fit_with_contention(points: list[tuple[int, int, float, float]]) -> tuple[tuple, float]:
+    """(compute fit of the prompts computed alone, the median share by which the others' time grew per unit of
+    the time the other role was busy)."""
+    quiet = [p for p in points if p[3] < QUIET_SHARE]
+    base = fit_compute([p[:3] for p in (quiet if len(quiet) >= MIN_FIT_SAMPLES else points)])
+    growth = [(ms / predict_compute(base, new, context) - 1) / busy for new, context, ms, busy in points
+              if busy >= 1 - QUIET_SHARE and predict_compute(base, new, context) > 0]
+    return base, float(np.clip(np.median(growth), 0.0, MAX_SLOWDOWN)) if growth else 0.0
+
+
+def fit_decode_step(by_leg: dict[str, list[Row]]) -> tuple[tuple[float, float, float], float]:
+    """(ms per decode step = a + b batch + k context / 1e3, ms a step gains while a prefill runs beside it), from
+    TPOT on the P/D legs (a colocated worker's TPOT holds its own prefills, which the simulation adds itself)."""
+    features, tpot = [], []
+    for leg, leg_rows in by_leg.items():
+        if leg in LEGS and LEGS[leg].mode == "colocated":
+            continue
+        prefilling = [prefill_interval(r) for r in leg_rows]
+        for row in leg_rows:
+            if row.tpot_ms:
+                batch, context = batch_during_decode(row, leg_rows)
+                busy = busy_share(decode_interval(row), prefilling, prefill_interval(row))
+                features.append([1.0, batch, context / 1e3, busy])
+                tpot.append(row.tpot_ms)
+    if len(tpot) < MIN_FIT_SAMPLES:
+        raise CalibrationError("too few P/D requests with more than one output token to fit the decode step time")
+    x, y = np.array(features), np.array(tpot)
+    active = [0, 1, 2, 3]
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            break
+        active.pop(int(np.argmin(solution)))
+    coefficients = np.zeros(4)
+    coefficients[active] = solution
+    return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
+
+
+def batch_during_decode(row: Row, leg_rows: list[Row]) -> tuple[float, float]:
+    """(mean batch, mean tokens of context in it) while this request decoded: others weighted by the share of its
+    decode they overlapped."""
+    mine = decode_interval(row)
+    length = mine[1] - mine[0]
+    batch, context = 1.0, row.input_tokens + row.output_tokens / 2
+    for other in leg_rows:
+        if other is not row and length > 0:
+            share = busy_share(mine, [decode_interval(other)])
+            batch += share
+            context += share * (other.input_tokens + other.output_tokens / 2)
+    return batch, context
+
+
+def _alone(row: Row, leg_rows: list[Row]) -> bool:
+    """No other request of the leg was in flight while this one waited for its first token."""
+    mine = (row.start_ms, row.start_ms + row.ttft_ms)
+    return busy_share(mine, [(o.start_ms, o.start_ms + o.latency_ms) for o in leg_rows if o is not row]) == 0
+
+
+def _read_rate(pairs: list[tuple[float, int]]) -> float | None:
+    mib = sum(nbytes for _, nbytes in pairs) / 2**20
+    return sum(ms for ms, _ in pairs) / mib if mib > 0 else None
+
+
+def fitted(results: dict, source: str = "") -> dict:
+    """The fields of a Calibration fitted to a bench results JSON."""
+    rows = rows_of(results)
+    if not rows:
+        raise CalibrationError("not a kvturn bench results JSON: no measured requests under 'legs'")
+    by_leg: dict[str, list[Row]] = {}
+    for row in rows:
+        by_leg.setdefault(row.leg, []).append(row)
+    samples = compute_samples(by_leg)
+    if len(samples["prefill"]) < MIN_FIT_SAMPLES:
+        raise CalibrationError(f"too few requests with a measured prefill on a prefill worker to fit the compute "
+                               f"time (need {MIN_FIT_SAMPLES}): run at least one P/D leg")
+    prefill_fit, slowdown = fit_with_contention(samples["prefill"])
+    fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:3] for p in points]) for kind, points in samples.items()
+                                       if kind != "prefill" and len(points) >= MIN_FIT_SAMPLES}}
+    per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
+    if not per_token:
+        raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional "
+                               "transfer (e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
+    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in rows if r.bytes_d_to_p])
+    p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
+    step_fit, step_contention = fit_decode_step(by_leg)
+    other = {}
+    for leg, leg_rows in by_leg.items():
+        quiet = [r.other_ms for r in leg_rows if _alone(r, leg_rows)] or [r.other_ms for r in leg_rows]
+        other[leg] = float(np.median(quiet))
+    return {"compute_fits": fits, "decode_step_fit": step_fit,
+            "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
+            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
+            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
+            "samples": {"requests": len(rows), **{kind: len(points) for kind, points in samples.items()}}}

@@ -1,0 +1,159 @@
+"""`kvturn plan`: simulate every leg on the workload, sweep the candidate's TTL and retention budget, and turn the
+numbers into a verdict: does bidirectional transfer pay on this workload, from what history length, and what it
+holds in memory."""
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from kvturn.bench.compare import LEGS
+from kvturn.plan.calibration import Calibration
+from kvturn.plan.sim import Deployment, LegPrediction, simulate
+from kvturn.plan.trace import Workload
+
+POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
+DEFAULT_TTLS_S = (60.0, 120.0, 240.0, 480.0)
+BUDGET_SHARES = (None, 0.5, 0.25)  # None: the deployment's own budget; else a share of its peak retained KV
+KEEP_GAIN = 0.95
+MAX_HISTORY_TOKENS = 262_144
+LEFT_OUT = (
+    "contention between processes sharing cores or a GPU beyond what the calibration run itself saw",
+    "bandwidth shared by concurrent KV reads (each read runs at the calibrated MiB/s alone)",
+    "preemption of running requests when a pool fills (leases are reclaimed, no request is ever preempted)",
+    "the adaptive router's online per-path corrections (the simulated router uses the calibrated costs as they are)",
+    "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
+    "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
+    "router, HTTP and tokenization time as one constant per leg (its calibrated median), not a queue",
+)
+
+
+@dataclass(slots=True)
+class SweepPoint:
+    ttl_s: float
+    budget_mib: float | None
+    later_ttft_p50_ms: float
+    peak_retained_mib: float
+    reuse_share: float
+    gain_share: float | None = None  # of the TTFT gain at the deployment's own TTL and budget
+
+
+def candidate_leg(policy: str, prefix_caching_on_prefill: bool) -> str:
+    return POLICY_LEGS[policy].format(cache="on" if prefix_caching_on_prefill else "off")
+
+
+def baseline_leg(prefix_caching_on_prefill: bool) -> str:
+    return f"pd/P-cache-{'on' if prefix_caching_on_prefill else 'off'}"
+
+
+def break_even_history(calibration: Calibration, new_tokens: int, baseline: str, candidate: str) -> int | None:
+    """Fewest history tokens from which reusing them (read back, or computed beside on D) beats recomputing them
+    with `new_tokens` added, by the calibrated costs; None if it never does up to MAX_HISTORY_TOKENS."""
+    on_decode = candidate == "compute-on-D"
+
+    def gain(history: int) -> float:
+        recompute = calibration.prefill_ms(new_tokens + history, 0) + calibration.other(baseline)
+        if on_decode:
+            reuse = calibration.prefill_ms(new_tokens, history, "decode")
+        else:
+            reuse = calibration.read_ms(history, "d_to_p") + calibration.prefill_ms(new_tokens, history)
+        return recompute - reuse - calibration.other(candidate)
+
+    history = 16
+    while history <= MAX_HISTORY_TOKENS and gain(history) <= 0:
+        history *= 2
+    if history > MAX_HISTORY_TOKENS:
+        return None
+    low, high = history // 2, history  # the first multiple of 16 with a gain, between the last two tried
+    while high - low > 16:
+        middle = (low + high) // 32 * 16
+        low, high = (middle, high) if gain(middle) <= 0 else (low, middle)
+    return high
+
+
+def sweep(workload: Workload, leg: str, deployment: Deployment, calibration: Calibration, ttls: list[float],
+          budget_shares: tuple, reference_peak_mib: float) -> list[SweepPoint]:
+    points = []
+    for ttl in ttls:
+        for share in budget_shares:
+            if share is not None and reference_peak_mib <= 0:
+                continue
+            budget = deployment.retained_kv_budget_mb if share is None else max(int(reference_peak_mib * share), 1)
+            result = simulate(workload, LEGS[leg], replace(deployment, decoder_kv_blocks_ttl_s=ttl,
+                                                           retained_kv_budget_mb=budget), calibration)
+            points.append(SweepPoint(ttl, budget, result.later_ttft_p50_ms, result.peak_retained_mib,
+                                     result.reuse_share))
+    return points
+
+
+def reference_point(points: list[SweepPoint], deployment: Deployment) -> SweepPoint | None:
+    """The sweep's point at the deployment's own TTL and budget."""
+    return next((p for p in points if p.ttl_s == deployment.decoder_kv_blocks_ttl_s
+                 and p.budget_mib == deployment.retained_kv_budget_mb), None)
+
+
+def cheapest_ttl_keeping_gain(points: list[SweepPoint], budget_mib: int | None) -> SweepPoint | None:
+    """Of the points with the deployment's budget, the one of least memory that keeps KEEP_GAIN of the gain."""
+    keeping = [p for p in points if p.budget_mib == budget_mib and p.gain_share is not None
+               and p.gain_share >= KEEP_GAIN]
+    return min(keeping, key=lambda p: (p.peak_retained_mib, p.ttl_s), default=None)
+
+
+def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, candidate: str,
+            calibration: Calibration, deployment: Deployment, points: list[SweepPoint]) -> dict:
+    base, cand = legs[baseline], legs[candidate]
+    new_tokens = [t.prompt_tokens - t.shared_tokens for s in workload.sessions for t in s.turns[1:]]
+    typical_new = int(np.median(new_tokens)) if new_tokens else 0
+    break_even = break_even_history(calibration, typical_new, baseline, candidate)
+    ttl = deployment.decoder_kv_blocks_ttl_s
+    gib = cand.peak_retained_mib / 1024
+    words = [f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns), "
+             f"{candidate} against {baseline} {'cuts' if cand.later_ttft_p50_ms < base.later_ttft_p50_ms else 'moves'} "
+             f"later-turn TTFT p50 from {base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms "
+             f"(all turns: {base.ttft_p50_ms:.0f} -> {cand.ttft_p50_ms:.0f} ms; {cand.reuse_share:.0%} of later "
+             f"turns reuse retained KV)."]
+    if break_even is None:
+        words.append(f"For a turn adding {typical_new} new tokens, reuse never beats recomputing by the calibrated "
+                     f"costs.")
+    else:
+        words.append(f"Against recomputing the history (a prefill cache miss), reuse pays for turns whose history "
+                     f"exceeds {break_even} tokens (adding {typical_new} new ones).")
+    words.append(f"With TTL {ttl:.0f} s decode workers hold up to {gib:.2f} GiB of retained KV.")
+    reference = reference_point(points, deployment)
+    cheapest = cheapest_ttl_keeping_gain(points, deployment.retained_kv_budget_mb)
+    if reference and cheapest and reference.peak_retained_mib > 0 and cheapest.ttl_s != ttl:
+        words.append(f"TTL {cheapest.ttl_s:.0f} s keeps {cheapest.gain_share:.0%} of the gain for "
+                     f"{cheapest.peak_retained_mib / reference.peak_retained_mib:.0%} of the memory.")
+    return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
+            "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
+            "pays_above_history_tokens": break_even, "typical_new_tokens": typical_new,
+            "peak_retained_gib": gib, "cheapest_ttl_keeping_gain_s": cheapest.ttl_s if cheapest else None}
+
+
+def with_gain_shares(points: list[SweepPoint], baseline_ms: float, reference: SweepPoint | None) -> None:
+    full = baseline_ms - reference.later_ttft_p50_ms if reference else 0.0
+    for p in points:
+        p.gain_share = (baseline_ms - p.later_ttft_p50_ms) / full if full > 0 else None
+
+
+def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
+         prefix_caching_on_prefill: bool, ttls: list[float]) -> dict:
+    started = time.perf_counter()
+    baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
+    chosen = list(dict.fromkeys([*legs, baseline, candidate]))
+    predictions = {leg: simulate(workload, LEGS[leg], deployment, calibration) for leg in chosen}
+    ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
+    points = sweep(workload, candidate, deployment, calibration, ttls, BUDGET_SHARES,
+                   predictions[candidate].peak_retained_mib)
+    with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, reference_point(points, deployment))
+    return {
+        "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
+                     "clients": workload.clients},
+        "deployment": asdict(deployment),
+        "verdict": verdict(workload, predictions, baseline, candidate, calibration, deployment, points),
+        "legs": {leg: predictions[leg].public() for leg in chosen},
+        "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
+        "calibration": asdict(calibration),
+        "left_out": list(LEFT_OUT),
+        "simulated_events": sum(p.events for p in predictions.values()),
+        "elapsed_s": time.perf_counter() - started,
+    }

@@ -1,0 +1,74 @@
+"""The measured requests of a `kvturn bench` results JSON, as the calibration fits read them: token counts, the
+time split, and when each phase (waiting, prefill, decode) ran."""
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Row:
+    leg: str
+    conversation_id: str
+    turn: int
+    start_ms: float
+    ttft_ms: float
+    latency_ms: float
+    input_tokens: int
+    output_tokens: int
+    tpot_ms: float | None
+    computed: int | None  # prompt tokens the prefill computed
+    prefill_compute_ms: float
+    decode_compute_ms: float
+    d_to_p_ms: float
+    p_to_d_ms: float
+    bytes_d_to_p: int
+    bytes_p_to_d: int
+    tokens_from_decode: int
+
+    @property
+    def other_ms(self) -> float:
+        """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms)."""
+        return max(self.ttft_ms - self.prefill_compute_ms - self.decode_compute_ms - self.d_to_p_ms - self.p_to_d_ms,
+                   0.0)
+
+
+def _row(leg: str, r: dict) -> Row | None:
+    if r.get("error") or r.get("warmup") or not r.get("ttft_ms") or not r.get("input_num_tokens"):
+        return None
+    computed = r.get("prompt_tokens_computed_prefill")
+    if computed is None and r.get("approx_cached_percent") is not None and r.get("prefill_compute_ms"):
+        computed = round(r["input_num_tokens"] * (1 - r["approx_cached_percent"] / 100))  # a colocated worker
+    return Row(leg, str(r.get("conversation_id")), int(r.get("turn") or 0), float(r.get("start_time_ms") or 0.0),
+               r["ttft_ms"], r.get("latency_ms") or r["ttft_ms"], r["input_num_tokens"],
+               r.get("output_num_tokens") or 1,
+               r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
+               r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
+               r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0)
+
+
+def rows_of(results: dict) -> list[Row]:
+    legs = results.get("legs")
+    if not isinstance(legs, dict):
+        return []
+    rows = [_row(leg, r) for leg, run in legs.items() if isinstance(run, dict)
+            for r in (run.get("requests") or []) if isinstance(r, dict)]
+    return [r for r in rows if r is not None]
+
+
+def decode_interval(row: Row) -> tuple[float, float]:
+    return row.start_ms + row.ttft_ms, row.start_ms + row.latency_ms
+
+
+def prefill_interval(row: Row) -> tuple[float, float]:
+    """When the prompt was computed: just before the KV went to the decode worker."""
+    end = row.start_ms + row.ttft_ms - row.p_to_d_ms
+    return end - row.prefill_compute_ms - row.decode_compute_ms, end
+
+
+def busy_share(interval: tuple[float, float], others: list[tuple[float, float]],
+               own: tuple[float, float] | None = None) -> float:
+    """Share of `interval` that some other interval overlaps (at most 1); `own` (the row's own other phase) is
+    left out."""
+    length = interval[1] - interval[0]
+    if length <= 0:
+        return 0.0
+    covered = sum(max(0.0, min(interval[1], b) - max(interval[0], a)) for a, b in others if (a, b) != own)
+    return min(covered / length, 1.0)

@@ -1,0 +1,160 @@
+"""A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
+chunks of waiting prompts within the token budget, as kvturn's scheduler does. Steps with no prefill in them
+are taken many at a time (until the next request finishes or one arrives), so a long decode is a few events,
+not one per token."""
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(slots=True)
+class Job:
+    """One request on one worker: `prefill_tokens` to compute after `context` tokens of KV it already has, then
+    `decode_steps` tokens to generate."""
+    prefill_tokens: int
+    context: int
+    decode_steps: int
+    on_first_token: Callable[[float], None] = lambda now: None
+    on_finished: Callable[[float], None] = lambda now: None
+    joined_step: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context + self.prefill_tokens
+
+
+@dataclass(slots=True)
+class Segment:
+    """Decode-only steps in progress: `count` steps of `batch` requests from `start_s`."""
+    start_s: float
+    count: int
+    batch: int
+    context: int
+    version: int
+
+
+@dataclass(slots=True)
+class StepLoop:
+    sim: object  # the Simulation: now, at(), and the calibration
+    kind: str  # "prefill", "decode" or "colocated": which of the calibration's compute fits applies
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    waiting: deque = field(default_factory=deque)
+    prefilling: list = field(default_factory=list)
+    decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
+    steps: int = 0
+    context: int = 0  # tokens of KV the decoding requests attend to
+    in_flight: int = 0  # requests queued or running here (the router's load)
+    segment: Segment | None = None
+    busy: bool = False
+    _order: int = 0
+    _versions: int = 0
+
+    def submit_prefill(self, job: Job) -> None:
+        self.in_flight += 1
+        self.waiting.append(job)
+        self._wake()
+
+    def submit_decode(self, job: Job) -> None:
+        self.in_flight += 1
+        self._start_decode(job, self.sim.now)
+
+    def _start_decode(self, job: Job, now: float) -> None:
+        if job.decode_steps <= 0:
+            self._finish(job, now)
+            return
+        self._order += 1
+        job.joined_step = self.steps
+        heapq.heappush(self.decoding, (self.steps + job.decode_steps, self._order, job))
+        self.context += job.prompt_tokens
+        self._wake()
+
+    def _finish(self, job: Job, now: float) -> None:
+        self.in_flight -= 1
+        job.on_finished(now)
+
+    def _wake(self) -> None:
+        """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
+        if not self.busy:
+            self.busy = True
+            self.sim.at(self.sim.now, self._step)
+        elif self.segment is not None and self.segment.count > 1:
+            self._cut_segment()
+
+    def _segment_ms(self, count: int, batch: int, context: int) -> float:
+        """`count` decode steps of `batch` requests; the context grows by `batch` tokens a step."""
+        a, b, k = self.sim.calibration.decode_step_fit
+        a += self.sim.contention(self)[1]
+        return count * (a + b * batch) + k * (count * context + batch * count * (count - 1) / 2) / 1e3
+
+    def _cut_segment(self) -> None:
+        seg = self.segment
+        elapsed_ms = (self.sim.now - seg.start_s) * 1e3
+        low, high = 1, seg.count  # the first step count whose end is not before now
+        while low < high:
+            mid = (low + high) // 2
+            if self._segment_ms(mid, seg.batch, seg.context) < elapsed_ms:
+                low = mid + 1
+            else:
+                high = mid
+        if low < seg.count:
+            self._versions += 1
+            seg.count, seg.version = low, self._versions
+            end = seg.start_s + self._segment_ms(low, seg.batch, seg.context) / 1e3
+            self.sim.at(end, self._end_segment, seg.version)
+
+    def _step(self) -> None:
+        now = self.sim.now
+        batch = len(self.decoding)
+        while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
+            self.prefilling.append(self.waiting.popleft())
+        if not self.prefilling and batch:
+            count = self.decoding[0][0] - self.steps
+            self._versions += 1  # an earlier segment's end event, cut short, must not end this one
+            self.segment = Segment(now, count, batch, self.context, self._versions)
+            self.sim.at(now + self._segment_ms(count, batch, self.context) / 1e3, self._end_segment, self._versions)
+            return
+        if not self.prefilling:
+            self.busy = False
+            return
+        budget = self.max_num_batched_tokens - batch
+        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch else 0.0
+        slowdown = self.sim.contention(self)[0]
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(job.prefill_tokens, budget)
+            ms += self.sim.calibration.prefill_ms(n, job.context, self.kind) * slowdown
+            chunks.append((job, n))
+            budget -= n
+        self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch)
+
+    def _end_prefill_step(self, chunks: list, batch: int) -> None:
+        now = self.sim.now
+        self._advance(1 if batch else 0, batch, now)
+        for job, n in chunks:
+            job.prefill_tokens -= n
+            job.context += n
+            if job.prefill_tokens == 0:
+                self.prefilling.remove(job)
+                job.on_first_token(now)
+                job.decode_steps -= 1  # the prefill's own step sampled the first token
+                self._start_decode(job, now)
+        self._step()
+
+    def _end_segment(self, version: int) -> None:
+        seg = self.segment
+        if seg is None or version != seg.version:
+            return
+        self.segment = None
+        self._advance(seg.count, seg.batch, self.sim.now)
+        self._step()
+
+    def _advance(self, count: int, batch: int, now: float) -> None:
+        self.steps += count
+        self.context += count * batch
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            _, _, job = heapq.heappop(self.decoding)
+            self.context -= job.prompt_tokens + (self.steps - job.joined_step)
+            self._finish(job, now)

@@ -1,0 +1,187 @@
+"""`kvturn plan`: reading workloads and traces, calibrating from a bench run, the simulation's invariants, plan.json,
+the router's --trace-out through real processes, and the command's errors."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from chat import conversation
+from kvturn.bench.compare import LEGS
+from kvturn.cli import app
+from kvturn.launch import LocalStack
+from kvturn.plan import calibration, planner, report, trace
+from kvturn.plan.sim import Deployment, simulate
+from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
+
+FIXTURE = Path(__file__).parent / "fixtures" / "plan_bench_results.json"
+PLAN_FIELDS = {"ttft_p50_ms", "ttft_p90_ms", "session_p50_s", "peak_retained_mib", "reuse_share"}
+
+
+@pytest.fixture(scope="module")
+def cost_model():
+    return calibration.load(FIXTURE)
+
+
+def agent_sessions(sessions: int, turns: int, think_s: float = 1.0, history: int = 3000, clients: int | None = 4):
+    """Sessions whose every turn extends the last by 200 new tokens and a 32-token answer."""
+    workload = []
+    for i in range(sessions):
+        demands, prompt = [], history + 97 * i
+        for turn in range(turns):
+            shared = demands[-1].prompt_tokens + 32 if demands else 0
+            demands.append(TurnDemand(prompt, 32, shared, think_s if turn else 0.0))
+            prompt += 32 + 200
+        workload.append(Session(f"s{i}", demands, None if clients else i * 0.5))
+    return Workload("agents", workload, clients)
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_a_trace_groups_requests_by_conversation_with_think_time_and_shared_history(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [
+        {"timestamp": 100.0, "conversation_id": "a", "prompt_tokens": 1000, "output_tokens": 50, "finished": 101.0},
+        {"timestamp": 100.5, "conversation_id": "b", "prompt_tokens": 400, "output_tokens": 20},
+        {"timestamp": 104.0, "conversation_id": "a", "prompt_tokens": 1300, "output_tokens": 40, "finished": 105.0},
+        {"timestamp": 110.0, "conversation_id": "a", "prompt_tokens": 900, "output_tokens": 10},
+        {"timestamp": 103.5, "conversation_id": "b", "prompt_tokens": 600, "output_tokens": 20},
+    ])
+    workload = trace.load(path, "unused", 0, 1)
+    a, b = workload.sessions
+    assert (a.start_s, b.start_s) == (0.0, 0.5) and workload.clients is None
+    assert [t.think_s for t in a.turns] == [0.0, 3.0, 5.0]  # from the previous answer's end
+    assert [t.shared_tokens for t in a.turns] == [0, 1050, 0]  # the third prompt is shorter: edited, not extended
+    assert b.turns[1].think_s == 3.0  # no 'finished': the gap between arrivals
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "not JSON"),
+    ('["a list"]', "expected an object"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 10}', "'output_tokens' missing"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": true, "output_tokens": 3}', "'prompt_tokens'"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 0, "output_tokens": 3}', "at least 1"),
+    ('{"timestamp": 5, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "finished": 2}', "finished"),
+])
+def test_a_malformed_trace_line_is_refused_naming_its_line(tmp_path, line, message):
+    good = {"timestamp": 0, "conversation_id": "a", "prompt_tokens": 10, "output_tokens": 2}
+    path = write_lines(tmp_path / "bad.jsonl", [good, line])
+    with pytest.raises(TraceError, match=f"bad.jsonl:2: .*{message}"):
+        trace.load(path, "unused", 0, 1)
+
+
+def test_bench_workload_formats_become_token_counts(tmp_path, tiny_model_dir):
+    vllm_list = [{"id": "c1", "messages": [{"role": "system", "content": "be brief " * 50},
+                                           {"role": "user", "content": "hello there " * 20},
+                                           {"role": "assistant", "content": "hi " * 10},
+                                           {"role": "user", "content": "more please " * 20}]}]
+    generator = {"filetype": "generate_conversations", "num_conversations": 2,
+                 "prompt_input": {"num_turns": 6, "common_prefix_num_tokens": 100, "prefix_num_tokens": 50,
+                                  "num_tokens": 30}, "prompt_output": {"num_tokens": 12}}
+    synthetic = {"filetype": "kvturn_synthetic", "num_sessions": 3, "system_tokens": 200, "num_turns": 2,
+                 "new_tokens": 40, "answer_tokens": 8}
+    for name, data, sessions, turns in (("list", vllm_list, 1, 2), ("gen", generator, 2, 3), ("syn", synthetic, 3, 2)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        workload = trace.load(path, str(tiny_model_dir), 0, 2)
+        assert len(workload.sessions) == sessions and all(len(s.turns) == turns for s in workload.sessions)
+        for s in workload.sessions:
+            first, second = s.turns[:2]
+            assert second.prompt_tokens > first.prompt_tokens + first.output_tokens  # history + new user text
+            assert second.shared_tokens == first.prompt_tokens + first.output_tokens
+
+
+def test_calibration_fits_the_checked_in_bench_run_and_round_trips(cost_model, tmp_path):
+    assert cost_model.kv_bytes_per_token == 4096  # the tiny model: 4 layers x K,V x 2 heads x 64 x fp32
+    assert set(cost_model.compute_fits) == {"prefill", "decode", "colocated"}
+    assert cost_model.prefill_ms(4000, 0) > cost_model.prefill_ms(200, 3800) > 0  # reuse saves compute
+    assert cost_model.read_ms_per_mib["d_to_p"] > 0 and set(cost_model.other_ms) == set(
+        json.loads(FIXTURE.read_text())["legs"])
+    again = calibration.load(cost_model.save(tmp_path / "calibration.json"))
+    assert again == cost_model
+
+
+def test_a_zero_ttl_never_reuses_and_a_recompute_leg_retains_nothing(cost_model):
+    workload = agent_sessions(6, 4)
+    expired = simulate(workload, LEGS["bidir/P-cache-off"], Deployment(decoder_kv_blocks_ttl_s=0.0), cost_model)
+    assert expired.reuse_share == 0.0
+    assert simulate(workload, LEGS["pd/P-cache-off"], Deployment(), cost_model).peak_retained_mib == 0.0
+    reused = simulate(workload, LEGS["bidir/P-cache-off"], Deployment(), cost_model)
+    assert reused.reuse_share == 1.0 and reused.later_ttft_p50_ms < expired.later_ttft_p50_ms
+
+
+def test_a_bigger_retention_budget_never_lowers_the_reuse_share(cost_model):
+    workload = agent_sessions(12, 4, think_s=2.0)
+    shares = [simulate(workload, LEGS["bidir/P-cache-off"], Deployment(retained_kv_budget_mb=budget), cost_model)
+              for budget in (1, 8, 32, 64, None)]
+    assert [s.reuse_share for s in shares] == sorted(s.reuse_share for s in shares)
+    assert shares[0].reuse_share < shares[-1].reuse_share
+    assert all(s.peak_retained_mib <= budget for s, budget in zip(shares, (1, 8, 32, 64)))
+
+
+def test_a_lease_that_ends_before_the_next_turn_is_not_read(cost_model):
+    workload = agent_sessions(4, 3, think_s=30.0)
+    short = simulate(workload, LEGS["bidir/P-cache-off"], Deployment(decoder_kv_blocks_ttl_s=20.0), cost_model)
+    long = simulate(workload, LEGS["bidir/P-cache-off"], Deployment(decoder_kv_blocks_ttl_s=60.0), cost_model)
+    assert short.reuse_share == 0.0 and long.reuse_share == 1.0
+
+
+def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):
+    workload = agent_sessions(40, 5, clients=None)
+    deployment = Deployment(num_prefill=2, num_decode=3, one_host=True)
+    first, second = (simulate(workload, LEGS["adaptive"], deployment, cost_model) for _ in range(2))
+    assert first == second and first.turns == 200 and sum(first.paths.values()) == 200
+
+
+def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
+    workload = agent_sessions(6, 3)
+    plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0])
+    json_path, html_path = report.write(plan, tmp_path)
+    saved = json.loads(json_path.read_text())
+    assert set(saved["legs"]) == set(LEGS)
+    assert all(PLAN_FIELDS <= set(values) for values in saved["legs"].values())
+    assert saved["verdict"]["text"].startswith("On this workload") and saved["left_out"]
+    assert {p["ttl_s"] for p in saved["sweep"]["points"]} == {60.0, 480.0}
+    assert "On this workload" in html_path.read_text()
+
+
+def test_reuse_pays_above_a_history_length_by_the_calibrated_costs(cost_model):
+    threshold = planner.break_even_history(cost_model, 200, "pd/P-cache-off", "bidir/P-cache-off")
+    assert threshold is not None and threshold % 16 == 0
+    slow_reuse = replace(cost_model, other_ms={"pd/P-cache-off": 0.0, "bidir/P-cache-off": 1e9})
+    assert planner.break_even_history(slow_reuse, 200, "pd/P-cache-off", "bidir/P-cache-off") is None
+
+
+def test_the_router_traces_each_finished_turn_for_the_planner(tiny_model_dir, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with LocalStack(tiny_model_dir, kv_cache_mb=64, router_args=["--trace-out", str(path)],
+                    log_dir=tmp_path / "logs") as stack:
+        _, results = conversation(stack.url, 3, conversation_id="agent-007")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3
+    assert {line["conversation_id"] for line in lines} == {lines[0]["conversation_id"]} != {"agent-007"}
+    assert [line["prompt_tokens"] for line in lines] == [r["usage"]["prompt_tokens"] for r in results]
+    assert all(line["output_tokens"] == 16 and line["timestamp"] <= line["finished"] for line in lines)
+    workload = trace.load(path, "unused", 0, 1)
+    assert [t.shared_tokens > 0 for t in workload.sessions[0].turns] == [False, True, True]
+
+
+def test_the_plan_command_refuses_bad_files_with_a_usage_error(tmp_path):
+    runner = CliRunner()
+    bad_trace = write_lines(tmp_path / "bad.jsonl", ['{"timestamp": 1}'])
+    not_json = tmp_path / "calibration.json"
+    not_json.write_text("{oops")
+    cases = [
+        (["--workload", str(tmp_path / "missing.json"), "--calibration", str(FIXTURE)], "no such file"),
+        (["--workload", str(bad_trace), "--calibration", str(FIXTURE)], "bad.jsonl:1"),
+        (["--workload", str(bad_trace), "--calibration", str(not_json)], "cannot read a calibration"),
+        (["--scenario", "sweep", "--calibration", str(FIXTURE), "--policy", "teleport"], "policy must be one of"),
+        (["--calibration", str(FIXTURE)], "give --workload FILE or --scenario NAME"),
+    ]
+    for args, message in cases:
+        result = runner.invoke(app, ["plan", *args])
+        assert result.exit_code == 2, result.output
+        assert message in " ".join(result.output.split())
