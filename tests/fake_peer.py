@@ -23,16 +23,17 @@ SECRET_HEADER = "X-Kvturn-Cluster-Secret"
 
 class FakePeer:
     """The test's handle on one fake peer process."""
+    script = __file__  # the server it runs: `python SCRIPT PORT CONFIG LOG [ARGS...]` (tests/fake_vllm.py too)
 
-    def __init__(self, port: int, workdir: Path):
+    def __init__(self, port: int, workdir: Path, *args: str):
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self.config_path = workdir / f"fake-peer-{port}.json"
         self.log_path = workdir / f"fake-peer-{port}.log"
         self.configure({})
         self.log_path.write_text("")
-        self.process = subprocess.Popen([sys.executable, __file__, str(port), str(self.config_path),
-                                         str(self.log_path)], start_new_session=True)
+        self.process = subprocess.Popen([sys.executable, self.script, str(port), str(self.config_path),
+                                         str(self.log_path), *args], start_new_session=True)
 
     def wait_listening(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -125,5 +125,5 @@ def test_token_id_lists_are_cut_and_parsed_as_json_would():
     assert cut_int_list('{"prompt_token_ids":null}', "prompt_token_ids") == ('{"prompt_token_ids":null}', None)
     assert parse_int_list("") == [] and parse_int_list("1, 2,x") is None and parse_int_list("1,2.5") is None
     body = {"model": "m", "messages": [{"role": "user", "content": "é\""}], "max_tokens": 1}
-    assert json.loads(encode_with(body, "messages", json.dumps(body["messages"]))) == body
-    assert json.loads(encode_with({"messages": []}, "messages", "[]")) == {"messages": []}
+    assert json.loads(encode_with(body, "messages", json.dumps(body["messages"]).encode())) == body
+    assert json.loads(encode_with({"messages": []}, "messages", b"[]")) == {"messages": []}

@@ -28,6 +28,7 @@ from kvturn.router.trace_out import TraceOut
 from kvturn.router.turn import Turn
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_turn import VLLMTurn
+from kvturn.router.work_clock import WorkClock
 from kvturn.router.workers import WorkerPool
 
 log = logging.getLogger("kvturn.router")
@@ -203,13 +204,15 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def turn(request: Request, path: str, chat: bool):
         scope = router.caller_scope(request)
         raw = await request.body()
+        work = WorkClock()  # the router's own work on the turn, from here to its answer (vLLM turns report it)
         if len(raw) > config.max_body_mb * 2**20:
             raise BadRequest(f"the request body is over {config.max_body_mb} MiB", status=413)
         body = parse_json_object(raw)
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         conversation, history = await router.conversation(body, request, chat, scope)
-        turn_class = VLLMTurn if router.vllm.serves(router.prefill.workers) else Turn
-        return await turn_class(router, path, chat, body, conversation, history, want_kv).run()
+        if router.vllm.serves(router.prefill.workers):
+            return await VLLMTurn(router, path, chat, body, conversation, history, want_kv, work=work).run()
+        return await Turn(router, path, chat, body, conversation, history, want_kv).run()
 
     return app

@@ -2,7 +2,7 @@
 the prompt's token ids (a local tokenizer or the prefill worker's /tokenize), streamed turns whose retention
 call is still running, and the metrics of the token-space reuse check."""
 import asyncio
-import json
+import functools
 import logging
 import re
 import time
@@ -11,7 +11,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvturn.config import RouterConfig
-from kvturn.router.fast_json import cut_int_list, encode_with, parse_int_list
+from kvturn.router.fast_json import cut_int_list, dumps, encode_with, loads, parse_int_list
 from kvturn.router.vllm_reuse import OUTCOMES
 from kvturn.router.work_clock import WorkClock
 
@@ -25,6 +25,12 @@ RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "add_spec
 JSON = {"Content-Type": "application/json"}
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 _OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1)
+
+
+@functools.lru_cache(maxsize=256)
+def endpoint(url: str) -> httpx.URL:
+    """A worker's URL, parsed once: httpx would parse the string anew for each of a turn's three requests."""
+    return httpx.URL(url)
 
 
 class VLLMMetrics:
@@ -102,7 +108,7 @@ class VLLMBackend:
         return self.block_sizes.get(url, DEFAULT_BLOCK_SIZE)
 
     async def prompt_ids(self, client: httpx.AsyncClient, prefill_url: str, body: dict, chat: bool,
-                         clock: WorkClock, messages_json: str | None) -> tuple[list[int] | None, str | None, bool]:
+                         clock: WorkClock, messages_json: bytes | None) -> tuple[list[int] | None, str | None, bool]:
         """(the token ids the request's prompt renders to, or None if unknown; their JSON text as /tokenize sent
         it; whether they came from the local tokenizer, so that the workers must be handed them to compute exactly
         these)."""
@@ -123,13 +129,13 @@ class VLLMBackend:
             if chat:
                 request["messages"] = None
                 request.update({k: body[k] for k in RENDERING_FIELDS if k in body})
-                content = encode_with(request, "messages", messages_json or json.dumps(body.get("messages")))
+                content = encode_with(request, "messages", messages_json or dumps(body.get("messages")))
             elif isinstance(prompt, str):
                 request["prompt"] = prompt
-                content = json.dumps(request).encode()
+                content = dumps(request)
             else:
                 return None, None, False
-            outgoing = client.build_request("POST", f"{prefill_url}/tokenize", content=content, headers=JSON)
+            outgoing = client.build_request("POST", endpoint(f"{prefill_url}/tokenize"), content=content, headers=JSON)
             clock.pause()
             try:
                 response = await client.send(outgoing)
@@ -139,7 +145,7 @@ class VLLMBackend:
                 return None, None, False
             _, ids_text = cut_int_list(response.content.decode(), "tokens")
             if ids_text is None:
-                tokens = json.loads(response.content).get("tokens")
+                tokens = loads(response.content).get("tokens")
                 return (tokens if isinstance(tokens, list) else None), None, False
             return parse_int_list(ids_text), ids_text, False
         except (httpx.HTTPError, ValueError):

@@ -19,6 +19,8 @@ _CHUNK = 256  # compare slices this long at C speed, then walk the one that diff
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:  # the usual case, a prompt that extends the retained tokens: one comparison in C
+        return limit
     start = 0
     while start < limit and a[start:start + _CHUNK] == b[start:start + _CHUNK]:
         start += _CHUNK
@@ -32,16 +34,17 @@ def retained_token_ids(prompt_ids: list[int] | None, output_ids: list[int] | Non
                        remote_num_tokens: int | None) -> list[int] | None:
     """The tokens whose KV the decode worker kept: its prompt and answer, cut at what it says it holds (the last
     sampled token has no KV yet)."""
-    if not prompt_ids or not remote_num_tokens:
+    if not prompt_ids or not isinstance(remote_num_tokens, int) or remote_num_tokens <= 0:
         return None
-    return (list(prompt_ids) + list(output_ids or []))[:remote_num_tokens]
+    kept = prompt_ids[:remote_num_tokens]
+    return kept + list(output_ids or ())[:remote_num_tokens - len(kept)]
 
 
 def verified_reuse(retained_ids: list[int], new_prompt_ids: list[int], claimed_tokens: int, block_size: int,
                    threshold: int) -> tuple[int, str, int]:
     """(tokens to pass as remote_num_tokens, or 0; outcome; verified common prefix in tokens)."""
     reachable = min(claimed_tokens, len(retained_ids), len(new_prompt_ids))
-    verified = common_prefix_len(retained_ids[:reachable], new_prompt_ids[:reachable])
+    verified = min(common_prefix_len(retained_ids, new_prompt_ids), reachable)
     tokens = verified // block_size * block_size
     if tokens <= 0 or tokens < threshold:
         return 0, (REFUSED_BELOW_THRESHOLD if verified == reachable else REFUSED_MISMATCH), verified

@@ -10,15 +10,15 @@ import logging
 import time
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
-from kvturn.router.fast_json import cut_int_list, encode_with, parse_int_list
+from kvturn.router.fast_json import cut_int_list, dumps, encode_with, loads, parse_int_list
 from kvturn.router.turn import Turn, UpstreamError
-from kvturn.router.vllm_backend import JSON
+from kvturn.router.vllm_backend import JSON, endpoint
 from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
 from kvturn.router.vllm_retention import retain_streamed_turn
 from kvturn.router.work_clock import WorkClock
@@ -27,26 +27,26 @@ from kvturn.router.workers import Claim
 log = logging.getLogger("kvturn.router")
 FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends
 class VLLMTurn(Turn):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, work: WorkClock):
+        super().__init__(*args)
         self.vllm = self.router.vllm
         self.outcome = vllm_reuse.NO_PARAMS
         self.tokens_claimed = self.tokens_verified = self.tokens_passed = 0
         self.pinned_ids: list[int] | None = None  # ids from the local tokenizer: the workers must compute these
         self.wants_ids = bool(self.body.get("return_token_ids"))
         self.one_choice = self.body.get("n") in (None, 1)  # with several answers, which one D's KV holds is unclear
-        self.work = WorkClock()  # paused around every wait on a worker or the client
+        self.work = work  # started once the request's body was in; paused around every wait on a worker or the client
         self.tokenize_s = 0.0
         self.prompt_ids: list[int] | None = None
         self.prompt_ids_text: str | None = None  # as /tokenize sent them: decode's echo of the same text is not parsed
         messages = self.body.get("messages")
-        self.messages_json = json.dumps(messages, separators=(",", ":")) if self.chat and messages else None
+        self.messages_json = dumps(messages) if self.chat and messages else None
 
     def encoded(self, body: dict) -> bytes:
         """A worker request's JSON, the history encoded once for the turn's three calls."""
         if self.messages_json is not None and "messages" in body:
             return encode_with(body, "messages", self.messages_json)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return dumps(body)
 
     def echoed_prompt_ids(self, ids_text: str | None) -> list[int] | None:
         if ids_text is None:
@@ -146,7 +146,7 @@ class VLLMTurn(Turn):
                 await self.verify_reuse(worker.url)
             passing = self.tokens_passed > 0
             with router.prefill.claim(worker):
-                request = router.http.build_request("POST", worker.url + self.path,
+                request = router.http.build_request("POST", endpoint(worker.url + self.path),
                                                     content=self.encoded(self.prefill_body(passing)), headers=JSON)
                 started = time.perf_counter()
                 try:
@@ -160,7 +160,7 @@ class VLLMTurn(Turn):
             if passing:
                 await router.table.drop(self.key)  # P has read (or tried to read) D's blocks: vLLM frees them
             if response.status_code == 200:
-                return response.json(), worker.url
+                return loads(response.content), worker.url
             if response.status_code < 500:
                 raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
             if passing:
@@ -173,7 +173,8 @@ class VLLMTurn(Turn):
 
     async def remember_vllm(self, decode_url: str, kv: dict | None, retained_ids: list[int] | None,
                             answer: str | None) -> None:
-        """Keep D's params with the token ids its KV holds; anything else means no reuse next turn."""
+        """Keep D's params with the token ids its KV holds (`retained_ids`, cut at the params' count); anything else
+        means no reuse next turn."""
         if self.key is None:
             return
         router = self.router
@@ -182,8 +183,7 @@ class VLLMTurn(Turn):
                 self.one_choice:
             messages = self.body.get("messages")
             order = len(messages) if isinstance(messages, list) else 0
-            await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, order,
-                                                retained_ids[:claimed]))
+            await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, order, retained_ids))
         else:
             await router.table.drop(self.key)
         if self.history is not None and answer is not None:
@@ -219,7 +219,7 @@ class VLLMTurn(Turn):
 
     def decode_request(self, worker, d_body: dict) -> httpx.Request:
         """As Turn's, with the body encoded once for all the worker calls of the turn."""
-        return self.router.http.build_request("POST", worker.url + self.path, content=self.encoded(d_body),
+        return self.router.http.build_request("POST", endpoint(worker.url + self.path), content=self.encoded(d_body),
                                               headers=JSON)
 
     async def complete_decode(self, d_body: dict) -> Response:
@@ -235,7 +235,7 @@ class VLLMTurn(Turn):
         text, ids_text = response.content.decode(), None
         if not self.wants_ids:
             text, ids_text = cut_int_list(text, "prompt_token_ids")
-        result = json.loads(text)
+        result = loads(text)
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
@@ -249,7 +249,7 @@ class VLLMTurn(Turn):
             result["kv_transfer_params"] = kv
         router.metrics.requests.labels("ok").inc()
         result["kvturn"] = self.merged_kvturn(None, claim.worker.url)
-        reply = JSONResponse(result)
+        reply = Response(dumps(result), media_type="application/json")
         self.observe_work()
         return reply
 
@@ -297,7 +297,7 @@ class VLLMTurn(Turn):
                 if prompt_ids is None and not self.wants_ids:
                     payload, ids_text = cut_int_list(payload, "prompt_token_ids")
                     prompt_ids = self.echoed_prompt_ids(ids_text)
-                chunk = json.loads(payload)
+                chunk = loads(payload)
                 prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
                 for choice in chunk.get("choices") or []:
                     prompt_ids = prompt_ids or choice.get("prompt_token_ids")
@@ -310,12 +310,12 @@ class VLLMTurn(Turn):
                 self.strip_ids(chunk)
                 if finish_reason and "kvturn" not in chunk:
                     chunk["kvturn"] = self.merged_kvturn(None, worker_url)
-                out = f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+                out = b"data: %s\n\n" % dumps(chunk)
                 self.work.pause()
                 yield out
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
-            yield f"data: {json.dumps(error_body(503, 'the decode worker failed mid-stream'))}\n\n"
+            yield b"data: %s\n\n" % dumps(error_body(503, "the decode worker failed mid-stream"))
         finally:
             self.work.pause()
             claim.release()
