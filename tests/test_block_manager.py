@@ -35,15 +35,21 @@ def test_freed_blocks_stay_cached_and_are_reused_least_recently_freed_first():
     assert bm.allocate_new() == first and bm.cached_prefix(tokens, h) == []
 
 
-def test_epoch_bumps_when_a_block_gets_new_contents():
+def test_epoch_bumps_when_a_block_is_let_go_or_gets_new_contents():
+    """A remote reader's (block, epoch) pair stays valid exactly while someone holds the block."""
     bm = BlockManager(1, 16)
     block = bm.allocate_new()
-    epoch = int(bm.epochs[block])
+    held = int(bm.epochs[block])
+    bm.take(block)  # a second holder (a lease): same contents, same epoch
     bm.release(block)
-    bm.take(block)  # revived from the cache: same contents, same epoch
-    assert bm.epochs[block] == epoch
+    assert bm.epochs[block] == held  # still held by the first
     bm.release(block)
-    assert bm.allocate_new() == block and bm.epochs[block] == epoch + 1
+    let_go = int(bm.epochs[block])
+    assert let_go == held + 1
+    bm.take(block)  # revived from the cache: same contents, the epoch it got when let go
+    assert bm.epochs[block] == let_go
+    bm.release(block)
+    assert bm.allocate_new() == block and bm.epochs[block] > let_go
 
 
 def test_prefix_caching_off_forgets_freed_blocks():

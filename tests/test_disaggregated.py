@@ -146,7 +146,10 @@ def test_decode_killed_between_turns_falls_back_to_recompute(stacks, reference):
     stack.kill(holder, signal.SIGKILL)
     messages.append(user_message(2))
     result = send(stack.url, messages, "conv-kill", stream=False)
-    assert result["kvturn"]["reuse"] in ("peer_unreachable", "lease_unknown")
+    # P does not ask the dead D before reading (the router relays D's lease record): its own prefix cache
+    # covers the history here, or the read from the dead worker fails; never is KV of it used.
+    assert result["kvturn"]["reuse"] in ("covered_locally", "read_failed", "peer_unreachable")
+    assert result["kvturn"]["prompt_tokens_from_decode"] == 0
     assert result["kvturn"]["decode_worker"] != stack.urls[holder]
     expected = send(stacks["colocated"].url, messages, None, stream=False)
     assert result["text"] == expected["text"]
@@ -188,3 +191,43 @@ def test_kv_params_replayed_through_the_router_are_ignored(stacks):
                   extra={"kv_transfer_params": replay})
     assert result["kvturn"]["reuse"] is None and result["kvturn"]["prompt_tokens_from_decode"] == 0
     assert "kv_transfer_params" not in result or result["kv_transfer_params"] is None
+
+
+def stream_chunks(url: str, messages: list[dict], conversation_id: str, **extra) -> list[dict]:
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+            "conversation_id": conversation_id, **extra}
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def streamed_text(chunks: list[dict]) -> str:
+    return "".join((c["delta"].get("content") or "") for chunk in chunks for c in chunk.get("choices") or [])
+
+
+def test_the_router_streams_prefills_first_token_ahead_and_the_answer_is_unchanged(stacks):
+    """P's first token goes to the client before D is called; D continues from it and the router drops it from
+    D's stream: one role, one id, the same text as a colocated worker's."""
+    stack = stacks["bidir"]
+    messages = [{"role": "system", "content": SYSTEM_FOR_FIRST_TOKEN}, user_message(0)]
+    expected = send(stacks["colocated"].url, messages, None, stream=False, max_tokens=12)["text"]
+    chunks = stream_chunks(stack.url, messages, "conv-first-token")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"]["content"]  # the first token, from P
+    assert sum("role" in c["delta"] for chunk in chunks for c in chunk["choices"]) == 1
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert streamed_text(chunks) == expected
+    final = next(chunk for chunk in chunks if "kvturn" in chunk)
+    assert final["kvturn"]["first_token_from"] == "prefill"
+    assert final["choices"][0]["finish_reason"] == "length"
+    # With a stop string the first token's text is not final: D sends everything.
+    chunks = stream_chunks(stack.url, messages, "conv-first-token-stop", stop=["\u2603"])
+    assert streamed_text(chunks) == expected
+    assert next(chunk for chunk in chunks if "kvturn" in chunk)["kvturn"]["first_token_from"] == "decode"
+
+
+SYSTEM_FOR_FIRST_TOKEN = "You answer in one short line. " * 20

@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM
 from kvturn.config import EngineConfig
 from kvturn.engine.llm import LLM
 from kvturn.engine.sampling import SamplingParams
+from kvturn.engine.sequence import Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [37, 130, 5, 64, 200, 17, 48, 91]
@@ -102,3 +103,17 @@ def test_a_sequence_never_outgrows_the_pool(tiny_model_dir):
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=8))  # 128 tokens of KV
     out = llm.generate([[5] * 100], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))[0]
     assert llm.engine.max_model_len == 128 and len(out) == 28
+
+
+def test_a_sequence_continues_from_a_first_token_sampled_elsewhere(tiny_model_dir, prompts, uncached):
+    """A decode worker continues from the token P sampled (the router may have sent it to the client already)
+    instead of sampling its own, and the rest is the model's own continuation of that token."""
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False))
+    forced = (uncached[1][0] + 1) % 4000
+    seq = Sequence("forced", prompts[1], GREEDY)
+    seq.first_token_id = forced
+    llm.engine.add_request(seq)
+    while llm.engine.has_work():
+        llm.engine.step()
+    rest = llm.generate([prompts[1] + [forced]], SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True))[0]
+    assert seq.output_token_ids == [forced] + rest

@@ -3,8 +3,9 @@
 A block's hash chains on its parent's, so equal hashes mean equal whole prefixes; a cache hit
 still compares the token ids to rule out a hash collision. Freed blocks keep their contents and
 hash and are reused least-recently-freed first. Each block carries an epoch that is bumped
-whenever it is handed out for new contents, so a reader holding an old (block id, epoch) pair
-can tell that the block was recycled.
+when the block loses its last reference and when it is handed out for new contents, so a reader
+holding an old (block id, epoch) pair can tell that the block was let go (its lease ended) or
+recycled, without asking its holder.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class BlockManager:
         block.ref_count -= 1
         assert block.ref_count >= 0, f"block {block_id} released more often than taken"
         if block.ref_count == 0:
+            self.epochs[block_id] += 1
             if not self.enable_prefix_caching and block.hash != NO_HASH:
                 self.hash_to_block.pop(block.hash, None)
                 block.hash, block.token_ids = NO_HASH, ()

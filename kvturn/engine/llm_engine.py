@@ -144,6 +144,8 @@ class LLMEngine:
             seq.num_computed_tokens += num_new
             self.publish_full_blocks(seq)
         for seq, (token_id, logprob) in sampled.items():
+            if seq.first_token_id is not None and seq.num_output_tokens == 0:
+                token_id = seq.first_token_id  # the client may hold it already (see Sequence.first_token_id)
             self.append_token(seq, token_id, logprob)
         return True
 

@@ -20,6 +20,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
 
+    @property
+    def must_sample_here(self) -> bool:
+        """A token another worker sampled will not do: a seeded generator advances per worker, and logprobs
+        come only from the logits computed here."""
+        return self.logprobs is not None or (self.seed is not None and not self.greedy)
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:

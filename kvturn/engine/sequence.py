@@ -44,6 +44,7 @@ class Sequence:
         self.num_cached_tokens = 0  # served from the local prefix cache
         self.num_remote_tokens = 0  # read from a peer
         self.remote = remote  # the KV connector's record of blocks to read from a peer
+        self.first_token_id: int | None = None  # sampled already elsewhere (P): continue from it, do not sample
         self.reuse_outcome: str | None = None  # "reused" or a decline reason
         self.retain = retain  # the KV connector's instruction to keep the blocks after finishing
         self.retained: dict | None = None  # lease metadata, set at finish

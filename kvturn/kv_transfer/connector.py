@@ -110,10 +110,8 @@ class KVConnector:
         tail = seq.token_ids[len(whole) * self.block_size:]
         if tail:
             whole.append(chain_hash(whole[-1] if whole else 0, tail))
-        params = seq.params
-        must_sample_here = params.logprobs is not None or (params.seed is not None and not params.greedy)
         prompt = policy.PromptView(len(seq), full_hashes[:reusable_blocks(len(seq), self.block_size)], whole,
-                                   seq.num_published_blocks, must_sample_here)
+                                   seq.num_published_blocks, seq.params.must_sample_here)
         view = policy.RemoteView(remote.block_hashes, remote.num_tokens, remote.expiry_time - time.time(),
                                  remote.first_token_id is not None, remote.peer_engine_id in self.nixl.peers)
         threshold = 1 if remote.prefilled_for_us else self.config.kv_recompute_threshold_tokens

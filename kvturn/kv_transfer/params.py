@@ -58,6 +58,7 @@ class KVTransferParams:
     remote_block_epochs: list[int] | None = None  # read back after a transfer to catch recycled blocks
     handle: str | None = None  # names the retention lease; bound to the conversation
     first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
+    binding: str | None = None  # MAC of the handle and what the lease is bound to, under the cluster secret
 
     @classmethod
     def parse(cls, raw: Any) -> "KVTransferParams":
@@ -103,7 +104,8 @@ class KVTransferParams:
             return None
         return {"handle": self.handle, "block_ids": self.remote_block_ids, "block_hashes": self.remote_block_hashes,
                 "block_epochs": self.remote_block_epochs, "num_tokens": self.remote_num_tokens,
-                "expiry_time": self.remote_blocks_expiry_time, "first_token_id": self.first_token_id}
+                "expiry_time": self.remote_blocks_expiry_time, "first_token_id": self.first_token_id,
+                "binding": self.binding}
 
     def for_next_prefill(self, remote_num_tokens: int | None = None) -> dict[str, Any]:
         """A decode worker's retention params, as the next turn's prefill call carries them (vLLM's proxy does
@@ -154,11 +156,11 @@ def plan(raw: Any, conversation_key: str | None) -> KVPlan:
 
 
 def retention_params(lease: dict, engine_id: str, request_id: str, host: str, port: int,
-                     for_decode: bool) -> dict[str, Any]:
+                     for_decode: bool, binding: str | None = None) -> dict[str, Any]:
     """What a worker returns for the blocks it retains: P's pin (for D to read) or D's lease (for next turn's P)."""
     return KVTransferParams(
         do_remote_prefill=for_decode, do_remote_decode=not for_decode, remote_engine_id=engine_id,
         remote_request_id=request_id, remote_block_ids=lease["block_ids"], remote_host=host, remote_port=port,
         remote_num_tokens=lease["num_tokens"], remote_blocks_expiry_time=lease["expiry_time"], tp_size=1,
         transfer_mode="pull", remote_block_hashes=lease["block_hashes"], remote_block_epochs=lease["block_epochs"],
-        handle=lease["handle"], first_token_id=lease.get("first_token_id")).to_json()
+        handle=lease["handle"], first_token_id=lease.get("first_token_id"), binding=binding).to_json()

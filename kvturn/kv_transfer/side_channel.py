@@ -4,6 +4,8 @@
 the cluster secret, so it only ever talks to a peer it trusts (`may_contact`), and it believes nothing a
 peer answers until `parse_lease` has checked it: a peer's reply becomes a `RemoteBlocks` or a decline reason.
 """
+import hashlib
+import hmac
 import logging
 import secrets
 
@@ -22,6 +24,12 @@ log = logging.getLogger(__name__)
 def has_secret(request: Request, secret: str | None) -> bool:
     """Whether the caller proved it belongs to the cluster (always true when the cluster has no secret)."""
     return secret is None or secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), secret)
+
+
+def lease_binding(secret: str, handle: str, binding_key: str) -> str:
+    """Ties a lease's handle to what it is bound to (a conversation, or P's request), under the cluster secret:
+    a peer handed the lease's record by the router can check the binding without asking the lease's holder."""
+    return hmac.new(secret.encode(), f"{handle}\0{binding_key}".encode(), hashlib.sha256).hexdigest()
 
 
 def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> list[int] | None:
@@ -60,6 +68,7 @@ def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, blo
 class PeerClient:
     def __init__(self, cluster_secret: str | None, timeout_s: float, trusted_peers: list[str]):
         headers = {SECRET_HEADER: cluster_secret} if cluster_secret else {}
+        self.secret = cluster_secret
         self.open_cluster = cluster_secret is None
         self.trusted = set(trusted_peers)
         self.http = httpx.AsyncClient(headers=headers, timeout=timeout_s)
@@ -71,6 +80,16 @@ class PeerClient:
     def may_contact(self, ref: RemoteRef, caller_has_secret: bool) -> bool:
         """A peer named by a caller of the cluster, or given at start-up; never one an outsider names."""
         return self.open_cluster or caller_has_secret or ref.address in self.trusted
+
+    def binding(self, handle: str, binding_key: str) -> str | None:
+        """What this worker's retention params carry in `binding` (nothing in a cluster without a secret)."""
+        return None if self.secret is None else lease_binding(self.secret, handle, binding_key)
+
+    def record_is_bound(self, ref: RemoteRef) -> bool:
+        """Whether the lease record a caller relayed was made, under the cluster secret, for this very binding."""
+        relayed = (ref.record or {}).get("binding")
+        expected = self.binding(ref.handle, ref.binding_key)
+        return isinstance(relayed, str) and expected is not None and hmac.compare_digest(relayed, expected)
 
     async def agent_info(self, ref: RemoteRef, refresh: bool = False) -> dict:
         if refresh or ref.address not in self.known:

@@ -12,17 +12,29 @@ from kvturn.errors import error_body, error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
+from kvturn.router.first_token import FirstToken
 from kvturn.router import paths
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.workers import Claim, WorkerState
 
 log = logging.getLogger("kvturn.router")
-LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED)
+LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
 
 
 class UpstreamError(Exception):
     def __init__(self, response: Response):
         self.response = response
+
+
+def stream_error(content: bytes, status: int) -> str:
+    """An upstream error as an event of a stream already under way: the worker's own error if it sent one."""
+    try:
+        error = json.loads(content)
+    except ValueError:
+        error = None
+    if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
+        error = error_body(status, "the decode worker failed mid-stream")
+    return f"data: {json.dumps(error)}\n\n"
 
 
 class Turn:
@@ -38,6 +50,7 @@ class Turn:
         self.choice: paths.PathChoice | None = None
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
+        self.first_token_from = "decode"  # or "prefill": P's token, sent ahead of D's stream (first_token.py)
         prompt = body.get("prompt")
         self.prompt_size = history.size if history else len(prompt) if isinstance(prompt, str) else 0
 
@@ -181,12 +194,17 @@ class Turn:
                 raise UpstreamError(error_response(503, "no decode worker is available"))
             claim = router.decode.claim(worker)
             try:
-                return claim, await self.send(self.decode_request(worker, d_body), stream=stream)
+                response = await self.send(self.decode_request(worker, d_body), stream=stream)
             except httpx.HTTPError:
                 claim.release()
                 router.decode.mark_dead(worker)
                 tried.add(worker.url)
                 router.metrics.retries.labels("decode_unreachable").inc()
+                continue
+            except BaseException:  # cancelled: the client left while the stream was opening D
+                claim.release()
+                raise
+            return claim, response
 
     def decode_request(self, worker: WorkerState, d_body: dict) -> httpx.Request:
         return self.router.http.build_request("POST", worker.url + self.path, json=d_body)
@@ -228,6 +246,7 @@ class Turn:
             "prefill_worker": self.prefill_url,
             "decode_worker": decode_url,
             "reuse": prefill.get("reuse"),
+            "first_token_from": self.first_token_from,
             "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
             "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),
             "prompt_tokens_cached_prefill": prefill.get("prompt_tokens_cached"),
@@ -269,6 +288,9 @@ class Turn:
 
     async def stream_decode(self, d_body: dict) -> Response:
         router = self.router
+        first = FirstToken.from_prefill(self.body, self.prefill, self.chat) if self.prefill else None
+        if first is not None:
+            return StreamingResponse(self.stream_after_first_token(first, d_body), media_type="text/event-stream")
         try:
             claim, response = await self.open_decode(d_body, stream=True)
         except UpstreamError as exc:
@@ -282,12 +304,33 @@ class Turn:
         return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
                                  background=BackgroundTask(self.close_stream, claim, response))
 
+    async def stream_after_first_token(self, first: FirstToken, d_body: dict):
+        """P's first token now, then D's stream without it. The status is sent with the first token, so a
+        decode worker that cannot be reached or refuses shows as an error event in the stream."""
+        yield first.events()
+        self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
+        try:
+            claim, response = await self.open_decode(d_body, stream=True)
+        except UpstreamError as exc:
+            self.router.metrics.requests.labels("decode_error").inc()
+            yield stream_error(exc.response.body, exc.response.status_code)
+            return
+        if response.status_code != 200:
+            claim.release()
+            content = await response.aread()
+            await response.aclose()
+            self.decode_refused(content, response.status_code)
+            yield stream_error(content, response.status_code)
+            return
+        async for event in self.relay(claim, response, first):
+            yield event
+
     async def close_stream(self, claim: Claim, response: httpx.Response) -> None:
         """Runs after the response, even when the client left before the relay began."""
         claim.release()
         await response.aclose()
 
-    async def relay(self, claim: Claim, response: httpx.Response):
+    async def relay(self, claim: Claim, response: httpx.Response, first: FirstToken | None = None):
         router, worker_url = self.router, claim.worker.url
         answer, kv, finished = [], None, False
         try:
@@ -310,13 +353,14 @@ class Turn:
                     self.first_token_at = time.perf_counter()
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
+                if first is not None and not first.trim(chunk):
+                    continue
                 if "kvturn" in chunk:
                     chunk["kvturn"] = self.merged_kvturn(chunk["kvturn"], worker_url)
                 yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
-            error = error_body(503, "the decode worker failed mid-stream")
-            yield f"data: {json.dumps(error)}\n\n"
+            yield stream_error(b"", 503)
         finally:
             claim.release()
             if not finished:

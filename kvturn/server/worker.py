@@ -132,10 +132,12 @@ class Worker:
         except Exception:
             log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
             return policy.PEER_UNREACHABLE
-        if ref.record is not None and vouched and prefilled_for_us:
-            # P's pin for this very request, relayed by a caller holding the cluster secret milliseconds after P
-            # made it: no round trip to P before the read. (A decode worker's lease may be minutes old: for it,
-            # the peer is asked, which also checks the lease is alive and bound to this conversation.)
+        if vouched and self.peers.record_is_bound(ref):
+            # The peer's own account of its lease (P's pin for this request, or D's lease from the last turn),
+            # relayed by a caller holding the cluster secret: no round trip to the peer before the read. What the
+            # peer's answer would add is checked here: its MAC binds the lease to this conversation (or request),
+            # the block hashes must match this prompt's, the expiry is in the record, and the epochs read back
+            # after the bytes prove the blocks were not recycled meanwhile.
             remote = parse_lease(ref.record, peer.engine_id, ref.handle, peer.layout.num_blocks,
                                  self.engine.block_size, self.vocab_size) or policy.BAD_PEER_REPLY
         else:
@@ -188,6 +190,7 @@ class Worker:
                 else:
                     remote = resolved
         seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
+        seq.first_token_id = self.prefill_first_token(plan, remote, params)
         seq.timing.arrival = arrival
         seq.timing.tokenize_s = tokenized - arrival
         seq.timing.side_channel_s = side_channel_s
@@ -197,11 +200,24 @@ class Worker:
                 self.engine.call_soon(lambda: connector.stats.reuse_declines.update([declined]))
         return seq, plan
 
+    def prefill_first_token(self, plan: kv_params.KVPlan, remote: RemoteBlocks | None,
+                            params: SamplingParams) -> int | None:
+        """The token P sampled after the prompt, which a decode worker continues from instead of sampling its
+        own, whether or not it can use P's blocks: the router may have sent that token to the client already."""
+        if plan.remote is None or plan.prefill_for_remote_decode or params.must_sample_here:
+            return None
+        if remote is not None:
+            return remote.first_token_id
+        token = (plan.remote.record or {}).get("first_token_id")
+        valid = isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size
+        return token if valid else None
+
     def response_kv_params(self, seq: Sequence) -> dict | None:
         if seq.retained is None:
             return None
+        binding = self.peers.binding(seq.retained["handle"], seq.retain.conversation_key)
         return kv_params.retention_params(seq.retained, self.engine_id, seq.request_id, self.advertise_host,
-                                          self.config.port, for_decode=seq.retain.release_after_read)
+                                          self.config.port, for_decode=seq.retain.release_after_read, binding=binding)
 
     def kvturn_fields(self, seq: Sequence) -> dict:
         t = seq.timing
