@@ -76,3 +76,46 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_de
     with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, log_dir=tmp_path) as colocated:
         _, reference = conversation(colocated.url, 3, conversation_id="reference")
     assert [r["text"] for r in results] == [r["text"] for r in reference]
+
+
+def test_work_queued_on_the_prefill_worker_makes_the_turn_compute_on_decode():
+    idle = choose(CostModel(), TurnView(6400, 6000, 4, True, 0, 0.0), "adaptive", 0.5)
+    queued = choose(CostModel(), TurnView(6400, 6000, 4, True, 3, 2000.0), "adaptive", 0.5)
+    assert queued.predicted_ms[paths.PULL] == pytest.approx(idle.predicted_ms[paths.PULL] + 2000.0)
+    assert queued.path == paths.COMPUTE_ON_DECODE
+
+
+def test_a_first_token_sent_ahead_leaves_the_decode_workers_read_out_of_the_prediction():
+    model = CostModel()
+    behind = choose(model, TurnView(6400, 6000, 0, True, 0, 0.0, 0.0, False), "pull", 0.5)
+    ahead = choose(model, TurnView(6400, 6000, 0, True, 0, 0.0, 0.0, True), "pull", 0.5)
+    assert ahead.predicted_ms[paths.PULL] == pytest.approx(behind.predicted_ms[paths.PULL] - model.read_ms(400))
+
+
+def test_adaptive_retakes_a_path_it_has_not_measured_lately_when_it_is_not_far_off():
+    model = CostModel()
+    turn = TurnView(6400, 6000, 0, True, 0, 0.0)
+    taken = []
+    for _ in range(3 * paths.EXPLORE_EVERY):
+        choice = choose(model, turn, "adaptive", 0.5)
+        model.chosen(choice.path)
+        taken.append(choice.path)
+    assert taken.count(paths.COMPUTE_ON_DECODE) > taken.count(paths.PULL) >= 2  # pull, every 17th turn
+    model.correction[paths.PULL].add(10.0)  # pull measured ten times slower: no longer worth a look
+    for _ in range(2 * paths.EXPLORE_EVERY):
+        model.chosen(choose(model, turn, "adaptive", 0.5).path)
+        assert model.turns_since_chosen[paths.COMPUTE_ON_DECODE] == 0
+
+
+def test_a_workers_backlog_is_the_predicted_work_it_holds_less_what_it_did_since():
+    from kvturn.router.workers import WorkerPool
+    pool = WorkerPool(["http://p"], "prefill")
+    worker = pool.workers[0]
+    first, second = pool.claim(worker, 300.0), pool.claim(worker, 200.0)
+    came = min(t for _, t in worker.pending.values())
+    assert worker.backlog_ms(came + 0.1) == pytest.approx(400.0, abs=1.0)
+    first.work_done()  # its prompt is done; it still holds the worker (decoding)
+    assert worker.in_flight == 2 and worker.backlog_ms(came + 0.1) == pytest.approx(100.0, abs=1.0)
+    second.release()
+    first.release()
+    assert worker.in_flight == 0 and worker.backlog_ms() == 0.0

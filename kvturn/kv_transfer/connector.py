@@ -141,35 +141,45 @@ class KVConnector:
             self.leases.expire(now)
             self._last_expiry_check = now
         for load in list(self.loads):
+            self._advance(load)
+        if self.abandoned:
+            self._reap_abandoned()
+
+    def _advance(self, load: PendingLoad) -> None:
+        """Take a read as far as it can go now. Over shared memory UCX copies inside the post, so the bytes
+        are usually there at the first poll, and the epoch read-back (a few bytes) right after its post."""
+        while True:
             state = self.nixl.poll(load.handle)
             if state == IN_PROGRESS:
                 if time.perf_counter() - load.started > self.config.kv_read_timeout_s:
                     self._fallback(load, policy.PEER_UNREACHABLE, in_flight=True)
-                continue
+                return
             self.nixl.release(load.handle)
             if state != DONE:
                 self._fallback(load, policy.READ_FAILED, in_flight=False)
             elif not load.reading_epochs:
-                self._start_epoch_check(load)
+                if self._start_epoch_check(load):
+                    continue
             elif self.nixl.scratch_epochs(load.local_ids) != self._expected_epochs(load):
                 self._fallback(load, policy.EPOCH_MISMATCH, in_flight=False)
             else:
                 self._complete(load)
-        if self.abandoned:
-            self._reap_abandoned()
+            return
 
     @staticmethod
     def _expected_epochs(load: PendingLoad) -> list[int]:
         return load.seq.remote.block_epochs[load.decision.load_from_block:load.decision.load_to_block]
 
-    def _start_epoch_check(self, load: PendingLoad) -> None:
-        """The blocks arrived; read their epochs again to prove the peer did not recycle them meanwhile."""
+    def _start_epoch_check(self, load: PendingLoad) -> bool:
+        """The blocks arrived; read their epochs again to prove the peer did not let them go meanwhile."""
         try:
             load.handle = self.nixl.start_epoch_read(load.seq.remote.peer_engine_id, load.remote_ids, load.local_ids)
-            load.reading_epochs = True
         except Exception:
             log.warning("epoch read-back failed to start", exc_info=True)
             self._fallback(load, policy.READ_FAILED, in_flight=False)
+            return False
+        load.reading_epochs = True
+        return True
 
     def _complete(self, load: PendingLoad) -> None:
         self.loads.remove(load)

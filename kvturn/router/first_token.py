@@ -17,7 +17,8 @@ log = logging.getLogger("kvturn.router")
 REPLACEMENT_CHAR = "\ufffd"  # what a token that ends inside a UTF-8 sequence decodes to
 
 
-def _eligible(body: dict) -> bool:
+def may_send_ahead(body: dict) -> bool:
+    """Whether the request allows sending P's first token ahead (P's answer decides the rest)."""
     return (body.get("stream") is True and not body.get("stop") and body.get("n") in (None, 1)
             and body.get("logprobs") in (None, False) and body.get("top_logprobs") is None
             and body.get("seed") is None)
@@ -37,7 +38,7 @@ class FirstToken:
     @classmethod
     def from_prefill(cls, body: dict, prefill: dict, chat: bool) -> "FirstToken | None":
         """The first token P sampled, if the router may send it ahead of the decode worker."""
-        if not _eligible(body):
+        if not may_send_ahead(body):
             return None
         choices = prefill.get("choices")
         kv = prefill.get("kv_transfer_params")

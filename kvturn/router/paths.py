@@ -13,6 +13,8 @@ RECOMPUTE, PULL, COMPUTE_ON_DECODE = "recompute", "pull", "compute_on_decode"
 PATHS = (RECOMPUTE, PULL, COMPUTE_ON_DECODE)
 POLICIES = ("adaptive", "pull", "recompute", "compute_on_decode")
 MIN_SAMPLES = 4
+EXPLORE_EVERY = 16  # adaptive: a path not taken for this many turns is taken once, to re-measure it...
+EXPLORE_WITHIN = 1.5  # ...if its predicted cost is at most this many times the best path's
 
 
 class ComputeFit:
@@ -92,6 +94,11 @@ class CostModel:
         self.prefill_request_ms = Typical(100.0)  # a prefill worker's round trip: what each queued request adds
         # measured / modelled time of each path: queues and contention the terms above do not see
         self.correction = {path: Typical(1.0) for path in PATHS}
+        self.turns_since_chosen = {path: 0 for path in PATHS}  # adaptive explores what it has not measured lately
+
+    def chosen(self, path: str) -> None:
+        for other in self.turns_since_chosen:
+            self.turns_since_chosen[other] = 0 if other == path else self.turns_since_chosen[other] + 1
 
     def compute_ms(self, role: str, new_tokens: int, context: int) -> float:
         fit = self.prefill[role]
@@ -124,6 +131,18 @@ class TurnView:
     decode_running: int  # requests the holding decode worker is already serving
     decode_available: bool  # the holding decode worker is healthy and has room for one more
     prefill_in_flight: int  # requests queued or running on the least-loaded prefill worker
+    # Predicted work still queued ahead of this turn, ms (see workers.WorkerState.backlog_ms); without it the
+    # prefill queue is taken as `prefill_in_flight` typical round trips.
+    prefill_backlog_ms: float | None = None
+    decode_backlog_ms: float = 0.0  # prefills sent to the holding decode worker that have not yet produced
+    first_token_ahead: bool = False  # the router streams P's first token itself: D's part is not in the TTFT
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    ttft_ms: float  # time to first token, as modelled (before the per-path correction)
+    stall_ms: float  # what the path makes the decode worker's running requests wait, summed
+    work_ms: float  # the compute and transfer this turn adds to its worker's queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,34 +151,44 @@ class PathChoice:
     predicted_ms: dict  # every path's predicted time to first token
     stall_ms: float  # what the chosen path makes the decode worker's running requests wait, summed
     modelled_ms: float  # the chosen path's time before the correction learned from measurements
+    work_ms: float  # the chosen path's own work on its worker (what later turns queue behind)
 
 
-def predict(model: CostModel, turn: TurnView) -> dict[str, tuple[float, float]]:
-    """(time to first token, stall inflicted on running decodes) for each possible path."""
+def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
+    """Each possible path's time to first token, the stall it inflicts on running decodes, and its work."""
     new = max(turn.prompt_tokens - turn.retained_tokens, 1)
-    queue = turn.prefill_in_flight * model.prefill_request_ms.value
-    out = {RECOMPUTE: (queue + model.compute_ms("prefill", turn.prompt_tokens, 0) + model.read_ms(new)
-                       + model.other_ms[RECOMPUTE].value, 0.0)}
+    queue = turn.prefill_backlog_ms
+    if queue is None:
+        queue = turn.prefill_in_flight * model.prefill_request_ms.value
+    handoff = 0.0 if turn.first_token_ahead else model.read_ms(new)  # D reads the new blocks before its token
+    full = model.compute_ms("prefill", turn.prompt_tokens, 0)
+    out = {RECOMPUTE: Estimate(queue + full + handoff + model.other_ms[RECOMPUTE].value, 0.0, full)}
     if turn.retained_tokens > 0:
-        out[PULL] = (queue + model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
-                     + model.read_ms(new) + model.other_ms[PULL].value, 0.0)
+        pull = model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
+        out[PULL] = Estimate(queue + pull + handoff + model.other_ms[PULL].value, 0.0, pull)
     if turn.retained_tokens > 0 and turn.decode_available:
         on_decode = model.compute_ms("decode", new, turn.retained_tokens)
-        out[COMPUTE_ON_DECODE] = (on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
-                                  on_decode * turn.decode_running)
+        out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
+                                          on_decode * turn.decode_running, on_decode)
     return out
 
 
 def choose(model: CostModel, turn: TurnView, policy: str, stall_weight: float) -> PathChoice:
     """The path of least predicted time to first token plus `stall_weight` times the wait it puts on others;
-    a fixed policy takes its own path whenever it is possible."""
+    a fixed policy takes its own path whenever it is possible. Adaptive also takes, once in a while, a path it
+    has not taken lately when that path is predicted not far off, so its measurements of it stay current."""
     modelled = predict(model, turn)
-    costs = {path: (ttft * model.correction[path].value, stall) for path, (ttft, stall) in modelled.items()}
-    predicted = {path: ttft for path, (ttft, _) in costs.items()}
-    if policy in costs:
+    predicted = {path: e.ttft_ms * model.correction[path].value for path, e in modelled.items()}
+    cost = {path: predicted[path] + stall_weight * e.stall_ms for path, e in modelled.items()}
+    if policy in cost:
         path = policy
     elif policy == "adaptive":
-        path = min(costs, key=lambda p: costs[p][0] + stall_weight * costs[p][1])
+        path = min(cost, key=cost.get)
+        stale = [p for p in cost if model.turns_since_chosen[p] >= EXPLORE_EVERY
+                 and cost[p] <= EXPLORE_WITHIN * cost[path]]
+        if stale:
+            path = max(stale, key=model.turns_since_chosen.get)
     else:
-        path = PULL if PULL in costs else RECOMPUTE
-    return PathChoice(path, predicted, costs[path][1], modelled[path][0])
+        path = PULL if PULL in cost else RECOMPUTE
+    chosen = modelled[path]
+    return PathChoice(path, predicted, chosen.stall_ms, chosen.ttft_ms, chosen.work_ms)

@@ -12,7 +12,7 @@ from kvturn.errors import error_body, error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
-from kvturn.router.first_token import FirstToken
+from kvturn.router.first_token import FirstToken, may_send_ahead
 from kvturn.router import paths
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.workers import Claim, WorkerState
@@ -61,6 +61,7 @@ class Turn:
             self.entry, missed_because = await router.table.lookup(self.key)
         router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
         self.choice = paths.choose(router.costs, self.view(), router.config.path_policy, router.config.stall_weight)
+        router.costs.chosen(self.choice.path)
         router.metrics.paths.labels(self.choice.path).inc()
         if self.choice.path == paths.COMPUTE_ON_DECODE:
             return await self.decode(dict(self.body))  # D computes the new tokens on the history it retained
@@ -90,16 +91,17 @@ class Turn:
     def view(self) -> paths.TurnView:
         """What the path policy needs to know of this turn, from the table and the workers' load."""
         router, entry = self.router, self.entry
-        retained, running, available = 0, 0, False
+        retained, running, available, decode_backlog = 0, 0, False, 0.0
         if entry is not None:
             retained = int(entry.kv_params.get("remote_num_tokens") or 0)
             holder = router.decode.find(entry.decode_url)
             if holder is not None:
-                running = holder.in_flight
+                running, decode_backlog = holder.in_flight, holder.backlog_ms()
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
         prefill = router.prefill.least_loaded()
         return paths.TurnView(self.estimated_prompt_tokens(), retained, running, available,
-                              prefill.in_flight if prefill else 0)
+                              prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
+                              decode_backlog, may_send_ahead(self.body))
 
     def estimated_prompt_tokens(self) -> int:
         prompt = self.body.get("prompt")
@@ -118,7 +120,8 @@ class Turn:
             actual = (self.first_token_at - self.started) * 1e3
         else:
             actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
-        explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in (p_timing, d_timing))
+        timed = (p_timing,) if self.first_token_from == "prefill" else (p_timing, d_timing)  # what the TTFT holds
+        explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in timed)
         costs.other_ms[choice.path].add(max(actual - explained, 0.0))
         if actual > 0 and choice.modelled_ms > 0:
             costs.correction[choice.path].add(actual / choice.modelled_ms)
@@ -156,7 +159,7 @@ class Turn:
                 p_body["max_completion_tokens"] = 1
             if self.key is not None:
                 p_body["conversation_id"] = self.key
-            with router.prefill.claim(worker):
+            with router.prefill.claim(worker, self.choice.work_ms):
                 try:
                     response = await router.http.post(worker.url + self.path, json=p_body)
                 except httpx.HTTPError:
@@ -192,7 +195,8 @@ class Turn:
             worker = self.pick_decode(tried)
             if worker is None:
                 raise UpstreamError(error_response(503, "no decode worker is available"))
-            claim = router.decode.claim(worker)
+            on_decode = self.choice is not None and self.choice.path == paths.COMPUTE_ON_DECODE
+            claim = router.decode.claim(worker, self.choice.work_ms if on_decode else 0.0)
             try:
                 response = await self.send(self.decode_request(worker, d_body), stream=stream)
             except httpx.HTTPError:
@@ -351,6 +355,7 @@ class Turn:
                                   else choice.get("text") or "")
                 if self.first_token_at is None and answer and answer[-1]:
                     self.first_token_at = time.perf_counter()
+                claim.work_done()
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
                 if first is not None and not first.trim(chunk):

@@ -1,6 +1,7 @@
 """The router's view of its prefill and decode workers: health and load."""
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -15,6 +16,16 @@ class WorkerState:
     healthy: bool = True
     in_flight: int = 0
     backend: str = "unknown"  # kvturn or vllm, once asked (router/vllm_backend.py)
+    pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
+
+    def backlog_ms(self, now: float | None = None) -> float:
+        """Predicted work the worker has still to do before a request sent now gets its turn: what the
+        requests it holds were predicted to cost, less what it can have done since the oldest came."""
+        if not self.pending:
+            return 0.0
+        now = time.perf_counter() if now is None else now
+        oldest = min(came for _, came in self.pending.values())
+        return max(sum(ms for ms, _ in self.pending.values()) - (now - oldest) * 1e3, 0.0)
 
 
 @dataclass(slots=True)
@@ -23,10 +34,15 @@ class Claim:
     worker: WorkerState
     released: bool = field(default=False)
 
+    def work_done(self) -> None:
+        """The request's predicted work (its prompt) is done, though the request may go on (decoding)."""
+        self.worker.pending.pop(id(self), None)
+
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.worker.in_flight -= 1
+            self.work_done()
 
     def __enter__(self) -> "Claim":
         return self
@@ -46,12 +62,17 @@ class WorkerPool:
 
     def least_loaded(self, exclude: set[str] = frozenset()) -> WorkerState | None:
         candidates = [w for w in self.healthy() if w.url not in exclude]
-        return min(candidates, key=lambda w: w.in_flight, default=None)
+        now = time.perf_counter()
+        return min(candidates, key=lambda w: (w.backlog_ms(now), w.in_flight), default=None)
 
     @staticmethod
-    def claim(worker: WorkerState) -> Claim:
+    def claim(worker: WorkerState, work_ms: float = 0.0) -> Claim:
+        """`work_ms`: the compute and transfer the request is predicted to cost the worker (see paths.py)."""
         worker.in_flight += 1
-        return Claim(worker)
+        claim = Claim(worker)
+        if work_ms > 0:
+            worker.pending[id(claim)] = (work_ms, time.perf_counter())
+        return claim
 
     def find(self, url: str) -> WorkerState | None:
         return next((w for w in self.workers if w.url == url), None)
