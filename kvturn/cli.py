@@ -311,6 +311,8 @@ def plan(
     legs: str = typer.Option(",".join(["colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on",
                                        "bidir/P-cache-off", "compute-on-D", "adaptive"]), help="legs to predict"),
     ttls: str = typer.Option("60,120,240,480", help="decode TTLs to sweep, s (the deployment's own is added)"),
+    budgets: str = typer.Option("0.5,0.25", help="retention budgets to sweep beside the deployment's own, as shares "
+                                                 "of the peak retained KV ('' for none)"),
     sessions: Optional[int] = typer.Option(None, help="sessions replayed at once (default: the scenario's; a trace "
                                                       "keeps its own start times)"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
@@ -348,6 +350,7 @@ def plan(
         raise typer.BadParameter(f"unknown legs {[leg for leg in chosen if leg not in LEGS]}; choose from {list(LEGS)}")
     try:
         ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
+        budget_shares = tuple(float(b) for b in budgets.split(",") if b.strip())
         cost_model = calibration.load(calibration_file)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
@@ -356,15 +359,16 @@ def plan(
             workload = trace.load(workload_file, resolve_model(model), seed, clients)
     except (trace.TraceError, calibration.CalibrationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    if any(t <= 0 for t in ttl_values) or prefill < 1 or decode < 1:
-        raise typer.BadParameter("TTLs and worker counts must be positive")
+    if any(t <= 0 for t in ttl_values) or any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
+        raise typer.BadParameter("TTLs and worker counts must be positive, budget shares within (0, 1]")
     if save_calibration:
         cost_model.save(save_calibration)
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
                             decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                             retained_kv_budget_mb=retained_kv_budget_mb,
                             kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
-    result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values)
+    result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
+                          budget_shares)
     report.print_plan(result, console)
     json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
     console.print(f"JSON: {json_path}\nHTML: {html_path}")

@@ -100,3 +100,21 @@ def test_summary_leaves_out_warmup_and_counts_failures():
     assert summary["requests"] == 5 and summary["failed"] == 1
     assert summary["ttft_ms"]["p50"] == 35.0  # turns 1..4: 20, 30, 40, 50 ms
     assert summary["reuse_outcomes"] == {"none": 2, "reused": 2}
+
+
+def test_the_report_leads_with_a_verdict_and_shows_the_time_outside_compute_and_transfer(tmp_path):
+    from kvturn.bench.report import ttft_split, write_html
+
+    def run(ttft_ms: float, compute_ms: float, retained: float) -> RunResult:
+        result = RunResult(runtime_s=1.0, retained_kv=[(0.0, retained)])
+        result.requests.append(RequestRecord("c", 0, 0, 1, 0.0, warmup=False, ttft_ms=ttft_ms, latency_ms=ttft_ms,
+                                             prefill_compute_ms=compute_ms, path="pull"))
+        return result
+    results = {"pd/P-cache-off": run(400.0, 380.0, 0.0), "bidir/P-cache-off": run(100.0, 70.0, 8 * 2**20)}
+    page = write_html(tmp_path / "report.html", "t", [summarize(leg, r) for leg, r in results.items()], {},
+                      {"machine": {"cores": 2}}, splits={leg: ttft_split(r) for leg, r in results.items()}).read_text()
+    verdict = page.index("bidirectional transfer cut TTFT p50 from 400 to 100 ms (4.00x), holding up to 8.0 MiB")
+    assert verdict < page.index("<table>")
+    assert "30 ms of its 100 ms TTFT p50 is outside compute and transfer" in page
+    assert "<th>other: router, side channel, queues</th>" in page  # its own column of where TTFT goes
+    assert "<pre>" not in page and "<td>cores</td><td>2</td>" in page

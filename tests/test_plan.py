@@ -12,7 +12,8 @@ from kvturn.bench.compare import LEGS
 from kvturn.cli import app
 from kvturn.launch import LocalStack
 from kvturn.plan import calibration, planner, report, trace
-from kvturn.plan.sim import Deployment, simulate
+from kvturn.plan.predict import simulate
+from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plan_bench_results.json"

@@ -8,7 +8,8 @@ import numpy as np
 
 from kvturn.bench.compare import LEGS
 from kvturn.plan.calibration import Calibration
-from kvturn.plan.sim import Deployment, LegPrediction, simulate
+from kvturn.plan.predict import LegPrediction, simulate
+from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
@@ -136,13 +137,15 @@ def with_gain_shares(points: list[SweepPoint], baseline_ms: float, reference: Sw
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
-         prefix_caching_on_prefill: bool, ttls: list[float]) -> dict:
+         prefix_caching_on_prefill: bool, ttls: list[float], budget_shares: tuple = BUDGET_SHARES[1:]) -> dict:
+    """`budget_shares`: the retention budgets to sweep beside the deployment's own, as shares of the candidate's
+    peak retained KV."""
     started = time.perf_counter()
     baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
     chosen = list(dict.fromkeys([*legs, baseline, candidate]))
     predictions = {leg: simulate(workload, LEGS[leg], deployment, calibration) for leg in chosen}
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
-    points = sweep(workload, candidate, deployment, calibration, ttls, BUDGET_SHARES,
+    points = sweep(workload, candidate, deployment, calibration, ttls, (None, *budget_shares),
                    predictions[candidate].peak_retained_mib)
     with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, reference_point(points, deployment))
     return {

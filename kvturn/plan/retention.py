@@ -23,11 +23,12 @@ class Leases:
         self.retained_tokens = 0
         self.counts = {"created": 0, "expired": 0, "reclaimed": 0, "superseded": 0}
 
-    def retain(self, conversation: str, tokens: int, expiry_s: float) -> Lease | None:
+    def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
+        self.expire(now)
         self.drop(conversation, "superseded")
         if tokens <= 0:
             return None
-        lease = Lease(conversation, tokens, expiry_s)
+        lease = Lease(conversation, tokens, now + ttl_s)
         self.by_conversation[conversation] = lease
         self._add(tokens)
         self.counts["created"] += 1
@@ -43,9 +44,14 @@ class Leases:
             self._add(-lease.tokens)
             self.counts[why] += 1
 
-    def expire(self, lease: Lease) -> None:
-        if lease.alive:
-            self.drop(lease.conversation, "expired")
+    def expire(self, now: float) -> None:
+        """Drop the leases ended by `now`: all share one TTL, so they end in the order they began (and, as only
+        a new lease raises the total, dropping them just before one is made keeps the peak exact)."""
+        while self.by_conversation:
+            oldest = next(iter(self.by_conversation.values()))
+            if oldest.expiry_s > now:
+                break
+            self.drop(oldest.conversation, "expired")
 
     def reclaim_oldest(self) -> bool:
         if not self.by_conversation:

@@ -1,11 +1,11 @@
 """A discrete-event simulation of one deployment leg serving a workload: the router's choice of path per turn
 (its own `paths.choose` for the adaptive leg), prefill and decode workers as step loops (steps.py), retention
 leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a trace's own
-start times. A plain heapq loop: the whole state is a few dicts, and 200,000 turns take seconds."""
+start times. A plain heapq loop: the whole state is a few dicts and lists, and 200,000 turns take about ten
+seconds."""
 import heapq
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
+from operator import attrgetter
 
 from kvturn.bench.compare import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
@@ -65,6 +65,7 @@ class SessionState:
     finished_s: float | None = None
 
 
+LOAD = attrgetter("in_flight")  # the router sends a turn to the least loaded worker
 FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least paths.MIN_SAMPLES
 
 
@@ -85,6 +86,16 @@ def router_cost_model(calibration: Calibration) -> paths.CostModel:
     return model
 
 
+def fixed_path(policy: str, retained: bool, decode_available: bool) -> str:
+    """What `paths.choose` gives a fixed policy, without pricing every path: its own path whenever it is possible,
+    else pull if there is a lease, else recompute."""
+    possible = {paths.RECOMPUTE, *((paths.PULL,) if retained else ()),
+                *((paths.COMPUTE_ON_DECODE,) if retained and decode_available else ())}
+    if policy in possible:
+        return policy
+    return paths.PULL if retained else paths.RECOMPUTE
+
+
 class Simulation:
     def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration):
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
@@ -94,10 +105,10 @@ class Simulation:
         self._order = 0
         d = deployment
         pool_tokens = int(d.kv_cache_mb * 2**20 / calibration.kv_bytes_per_token)
-        loop = lambda kind: StepLoop(self, kind, d.max_num_seqs, d.max_num_batched_tokens)  # noqa: E731
+        loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs, d.max_num_batched_tokens)  # noqa: E731
         self.colocated = leg.mode == "colocated"
-        self.prefill = [] if self.colocated else [loop("prefill") for _ in range(d.num_prefill)]
-        self.decode = [loop("colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
+        self.prefill = [] if self.colocated else [loop("prefill", i) for i in range(d.num_prefill)]
+        self.decode = [loop("colocated" if self.colocated else "decode", i) for i in range(d.num_decode)]
         self.pool_tokens = pool_tokens
         self.prefill_cache = [PrefixCache(pool_tokens) for _ in self.prefill] if leg.prefix_caching_on_prefill else []
         self.decode_cache = [PrefixCache(pool_tokens) for _ in self.decode]
@@ -148,13 +159,14 @@ class Simulation:
 
     def _start_session(self, state: SessionState) -> None:
         state.start_s = self.now
-        self._start_turn(state)
+        self._start_turn(state, self.now)
 
-    def _start_turn(self, state: SessionState) -> None:
+    def _start_turn(self, state: SessionState, arrival_s: float) -> None:
+        """The turn arrives at `arrival_s` and reaches the router's path choice after the leg's fixed overhead."""
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, self.now)
+        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
         self.results.append(result)
-        self.at(self.now + self.other_s, self._dispatch, state, turn, result)
+        self.at(arrival_s + self.other_s, self._dispatch, state, turn, result)
 
     def _turn_done(self, state: SessionState, decode: int, turn: TurnDemand, result: TurnResult) -> None:
         conversation = state.session.conversation_id
@@ -165,7 +177,7 @@ class Simulation:
         result.finished_s = self.now
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
-            self.at(self.now + state.session.turns[state.next_turn].think_s, self._start_turn, state)
+            self._start_turn(state, self.now + state.session.turns[state.next_turn].think_s)
             return
         state.finished_s = self.now
         if self.workload.clients:
@@ -183,11 +195,14 @@ class Simulation:
             entry = None
         holder = self.decode[entry.decode] if entry else None
         available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
-        prefill = min(self.prefill, key=lambda w: w.in_flight)
-        view = paths.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
-                              holder.in_flight if holder else 0, available, prefill.in_flight)
+        prefill = min(self.prefill, key=LOAD)
         policy = self.leg.path_policy if self.leg.bidirectional else paths.RECOMPUTE
-        result.path = paths.choose(self.costs, view, policy, self.deployment.stall_weight).path
+        if policy == "adaptive":
+            view = paths.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
+                                  holder.in_flight if holder else 0, available, prefill.in_flight)
+            result.path = paths.choose(self.costs, view, policy, self.deployment.stall_weight).path
+        else:
+            result.path = fixed_path(policy, entry is not None, available)
         live = entry is not None and entry.lease.alive and self.now + self.deployment.kv_expiry_margin_s < \
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
@@ -220,18 +235,19 @@ class Simulation:
         """Prefill on P (reading D's retained history first when that saves at least the threshold), then the
         decode worker reads the prompt's KV it lacks and decodes."""
         conversation = state.session.conversation_id
-        index = self.prefill.index(prefill)
+        index = prefill.index
         local = self._reusable(turn, self.prefill_cache[index].hit(conversation)) if self.prefill_cache else 0
         remote = self._reusable(turn, lease_tokens) - local
-        read_ms = 0.0
-        if remote >= max(self.deployment.kv_recompute_threshold_tokens, 1):
-            read_ms, result.reused_tokens = self.calibration.read_ms(remote, "d_to_p"), remote
-        else:
+        if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
+        result.reused_tokens = remote
         context = local + remote
         job = Job(turn.prompt_tokens - context, context, 1,
                   on_finished=lambda now: self._prefilled(index, state, turn, result, now))
-        self.at(self.now + read_ms / 1e3, prefill.submit_prefill, job)
+        if remote:  # the read runs beside the worker's steps, as the sequence waits in LOADING_KV
+            self.at(self.now + self.calibration.read_ms(remote, "d_to_p") / 1e3, prefill.submit_prefill, job)
+        else:
+            prefill.submit_prefill(job)
 
     def _prefilled(self, index: int, state: SessionState, turn: TurnDemand, result: TurnResult, now: float) -> None:
         conversation = state.session.conversation_id
@@ -240,7 +256,7 @@ class Simulation:
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
         if holder is None or self.decode[holder].in_flight >= self.deployment.max_in_flight_per_decode:
-            holder = min(range(len(self.decode)), key=lambda i: self.decode[i].in_flight)
+            holder = min(self.decode, key=LOAD).index
         cached = self._reusable(turn, self.decode_cache[holder].hit(conversation))
         first_token_s = now + self.calibration.read_ms(turn.prompt_tokens - cached, "p_to_d") / 1e3
         self.costs.prefill_request_ms.add((now - result.arrival_s) * 1e3)
@@ -261,7 +277,7 @@ class Simulation:
         if previous is not None and previous.decode != decode:
             self.leases[previous.decode].drop(conversation, "superseded")
         leases = self.leases[decode]
-        lease = leases.retain(conversation, tokens, self.now + self.deployment.decoder_kv_blocks_ttl_s)
+        lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
             pass  # the pool needs room: leases go before any running request is preempted
         self.peak_retained_tokens = max(self.peak_retained_tokens, self.retained_tokens)  # after any reclaim
@@ -269,50 +285,6 @@ class Simulation:
             self.table.pop(conversation, None)
             return
         self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
-        self.at(lease.expiry_s, leases.expire, lease)
 
     def _retained_changed(self, tokens: int) -> None:
         self.retained_tokens += tokens
-
-
-@dataclass(slots=True)
-class LegPrediction:
-    leg: str
-    ttft_p50_ms: float
-    ttft_p90_ms: float
-    later_ttft_p50_ms: float
-    session_p50_s: float
-    peak_retained_mib: float
-    reuse_share: float  # later turns whose history KV came from a decode worker's retention
-    turns: int
-    events: int
-    paths: dict = field(default_factory=dict)
-
-    def public(self) -> dict:
-        """The leg as plan.json shows it."""
-        return {"ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
-                "later_ttft_p50_ms": self.later_ttft_p50_ms, "session_p50_s": self.session_p50_s,
-                "peak_retained_mib": self.peak_retained_mib, "reuse_share": self.reuse_share, "paths": self.paths}
-
-
-def _percentile(values: list[float], p: float) -> float:
-    return float(np.percentile(values, p)) if values else float("nan")
-
-
-def predict(sim: Simulation) -> LegPrediction:
-    sim.run()
-    ttft = [r.ttft_ms for r in sim.results]
-    later = [r for r in sim.results if r.turn > 0]
-    sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
-    path_counts: dict[str, int] = {}
-    for r in sim.results:
-        path_counts[r.path or "colocated"] = path_counts.get(r.path or "colocated", 0) + 1
-    return LegPrediction(
-        sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
-        _percentile(sessions, 50), sim.peak_retained_tokens * sim.calibration.kv_bytes_per_token / 2**20,
-        sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        path_counts)
-
-
-def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
-    return predict(Simulation(workload, leg, deployment, calibration))

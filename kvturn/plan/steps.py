@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # a job is itself, whatever its counts
 class Job:
     """One request on one worker: `prefill_tokens` to compute after `context` tokens of KV it already has, then
     `decode_steps` tokens to generate."""
@@ -34,10 +34,11 @@ class Segment:
     version: int
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class StepLoop:
     sim: object  # the Simulation: now, at(), and the calibration
     kind: str  # "prefill", "decode" or "colocated": which of the calibration's compute fits applies
+    index: int  # among the workers of its role
     max_num_seqs: int
     max_num_batched_tokens: int
     waiting: deque = field(default_factory=deque)
@@ -78,7 +79,7 @@ class StepLoop:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
             self.busy = True
-            self.sim.at(self.sim.now, self._step)
+            self._step()
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 

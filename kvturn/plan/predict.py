@@ -1,0 +1,52 @@
+"""What one leg's simulation predicts: the figures `kvturn bench` measures, from the simulated turns."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvturn.bench.compare import Leg
+from kvturn.plan.calibration import Calibration
+from kvturn.plan.sim import Deployment, Simulation
+from kvturn.plan.trace import Workload
+
+
+@dataclass(slots=True)
+class LegPrediction:
+    leg: str
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    later_ttft_p50_ms: float
+    session_p50_s: float
+    peak_retained_mib: float
+    reuse_share: float  # later turns whose history KV came from a decode worker's retention
+    turns: int
+    events: int
+    paths: dict = field(default_factory=dict)
+
+    def public(self) -> dict:
+        """The leg as plan.json shows it."""
+        return {"ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
+                "later_ttft_p50_ms": self.later_ttft_p50_ms, "session_p50_s": self.session_p50_s,
+                "peak_retained_mib": self.peak_retained_mib, "reuse_share": self.reuse_share, "paths": self.paths}
+
+
+def _percentile(values: list[float], p: float) -> float:
+    return float(np.percentile(values, p)) if values else float("nan")
+
+
+def predict(sim: Simulation) -> LegPrediction:
+    sim.run()
+    ttft = [r.ttft_ms for r in sim.results]
+    later = [r for r in sim.results if r.turn > 0]
+    sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
+    path_counts: dict[str, int] = {}
+    for r in sim.results:
+        path_counts[r.path or "colocated"] = path_counts.get(r.path or "colocated", 0) + 1
+    return LegPrediction(
+        sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
+        _percentile(sessions, 50), sim.peak_retained_tokens * sim.calibration.kv_bytes_per_token / 2**20,
+        sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
+        path_counts)
+
+
+def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
+    return predict(Simulation(workload, leg, deployment, calibration))
