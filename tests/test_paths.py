@@ -101,7 +101,8 @@ def test_adaptive_retakes_a_path_it_has_not_measured_lately_when_it_is_not_far_o
         model.chosen(choice.path)
         taken.append(choice.path)
     assert taken.count(paths.COMPUTE_ON_DECODE) > taken.count(paths.PULL) >= 2  # pull, every 17th turn
-    model.correction[paths.PULL].add(10.0)  # pull measured ten times slower: no longer worth a look
+    for _ in range(paths.MIN_SAMPLES):
+        model.correction[paths.PULL].add(10.0)  # pull measured ten times slower: no longer worth a look
     for _ in range(2 * paths.EXPLORE_EVERY):
         model.chosen(choose(model, turn, "adaptive", 0.5).path)
         assert model.turns_since_chosen[paths.COMPUTE_ON_DECODE] == 0

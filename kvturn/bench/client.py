@@ -42,6 +42,7 @@ class RequestRecord:
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
     decode_compute_ms: float | None = None  # D computing prompt tokens itself (the compute-on-decode path)
     path: str | None = None  # the router's choice: recompute, pull or compute_on_decode
+    first_token_from: str | None = None  # "prefill": the router sent P's token ahead, D's part is not in the TTFT
     predicted_ttft_ms: float | None = None  # what the router's cost model expected of that path
     bytes_d_to_p: int = 0
     bytes_p_to_d: int = 0
@@ -52,8 +53,14 @@ class RequestRecord:
         """TTFT that is neither compute nor transfer: router hops, side channel, queues, bookkeeping."""
         if self.ttft_ms is None:
             return None
-        parts = (self.prefill_compute_ms, self.d_to_p_read_ms, self.p_to_d_read_ms, self.decode_compute_ms)
-        return max(self.ttft_ms - sum(p or 0.0 for p in parts), 0.0)
+        parts = ("prefill_compute_ms", "d_to_p_read_ms", "p_to_d_read_ms", "decode_compute_ms")
+        return max(self.ttft_ms - sum(self.in_ttft(p) for p in parts), 0.0)
+
+    def in_ttft(self, part: str) -> float:
+        """A part of the time to first token, ms: D's read and compute are not in it when P's token went ahead."""
+        if part in ("p_to_d_read_ms", "decode_compute_ms") and self.first_token_from == "prefill":
+            return 0.0
+        return getattr(self, part) or 0.0
 
 
 @dataclass(slots=True)
@@ -187,6 +194,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.decode_compute_ms = decode_timing.get("prefill_compute_ms")
         path = kvturn.get("path") or {}
         record.path = path.get("chosen")
+        record.first_token_from = kvturn.get("first_token_from")
         record.predicted_ttft_ms = (path.get("predicted_ttft_ms") or {}).get(record.path)
         record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
         record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0

@@ -131,7 +131,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
         labels = [f"{b}k" for b in buckets]
         bottom = np.zeros(len(buckets))
         for label, key, color in parts:
-            values = np.array([np.mean([getattr(r, key) or 0.0 for r in rs]) for rs in buckets.values()])
+            values = np.array([np.mean([r.in_ttft(key) for r in rs]) for rs in buckets.values()])
             ax.bar(labels, values, bottom=bottom, label=label, color=color)
             bottom += values
         ax.set_title(name, fontsize=9)

@@ -79,7 +79,9 @@ class Scheduler:
                 return None
         for block_id in hit:
             bm.take(block_id)
-        seq.block_table = hit + [bm.allocate_new() for _ in range(total_blocks - len(hit))]
+        # In id order: blocks freed together come back together, and a NIXL read of consecutive blocks on both
+        # sides is one descriptor instead of one a block.
+        seq.block_table = hit + sorted(bm.allocate_new() for _ in range(total_blocks - len(hit)))
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
         seq.num_published_blocks = len(hit)
         return hashes

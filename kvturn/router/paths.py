@@ -57,7 +57,8 @@ class ComputeFit:
 
 @dataclass(slots=True)
 class Typical:
-    """The median of the recent values (one slow handshake must not move it), with a prior until there are any."""
+    """The median of the recent values (one slow handshake must not move it). The prior counts as one value
+    for each of the first MIN_SAMPLES that are missing, so that one odd first sample cannot decide alone."""
     prior: float
     values: deque = field(default_factory=lambda: deque(maxlen=64))
 
@@ -66,7 +67,8 @@ class Typical:
 
     @property
     def value(self) -> float:
-        return float(np.median(self.values)) if self.values else self.prior
+        padding = [self.prior] * max(MIN_SAMPLES - len(self.values), 0)
+        return float(np.median([*self.values, *padding]))
 
 
 @dataclass(slots=True)
@@ -95,6 +97,18 @@ class CostModel:
         # measured / modelled time of each path: queues and contention the terms above do not see
         self.correction = {path: Typical(1.0) for path in PATHS}
         self.turns_since_chosen = {path: 0 for path in PATHS}  # adaptive explores what it has not measured lately
+
+    def observe_turn(self, choice: "PathChoice", actual_ms: float, explained_ms: float) -> None:
+        """Learn from a finished turn's time to first token, of which `explained_ms` was compute and transfer:
+        the time outside them, and how far the path's own time (the queue ahead of it aside) was from its model.
+        The queue is the model's own estimate; what it misses shows in both."""
+        estimate = choice.estimate
+        if actual_ms <= 0:
+            return
+        self.other_ms[choice.path].add(max(actual_ms - explained_ms - estimate.queue_ms, 0.0))
+        if estimate.service_ms > 0:
+            ratio = max(actual_ms - estimate.queue_ms, 0.0) / estimate.service_ms
+            self.correction[choice.path].add(min(max(ratio, 0.25), 4.0))
 
     def chosen(self, path: str) -> None:
         for other in self.turns_since_chosen:
@@ -136,11 +150,13 @@ class TurnView:
     prefill_backlog_ms: float | None = None
     decode_backlog_ms: float = 0.0  # prefills sent to the holding decode worker that have not yet produced
     first_token_ahead: bool = False  # the router streams P's first token itself: D's part is not in the TTFT
+    decode_step_ms: float = 0.0  # one engine step of the holding decode worker now (its running decodes share it)
 
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    ttft_ms: float  # time to first token, as modelled (before the per-path correction)
+    queue_ms: float  # work queued ahead of the turn on its worker
+    service_ms: float  # the turn's own time to first token once its worker takes it up, as modelled
     stall_ms: float  # what the path makes the decode worker's running requests wait, summed
     work_ms: float  # the compute and transfer this turn adds to its worker's queue
 
@@ -150,8 +166,12 @@ class PathChoice:
     path: str
     predicted_ms: dict  # every path's predicted time to first token
     stall_ms: float  # what the chosen path makes the decode worker's running requests wait, summed
-    modelled_ms: float  # the chosen path's time before the correction learned from measurements
-    work_ms: float  # the chosen path's own work on its worker (what later turns queue behind)
+    estimate: Estimate  # the chosen path's, before the correction learned from measurements
+
+    @property
+    def work_ms(self) -> float:
+        """The chosen path's own work on its worker (what later turns queue behind)."""
+        return self.estimate.work_ms
 
 
 def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
@@ -162,13 +182,17 @@ def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
         queue = turn.prefill_in_flight * model.prefill_request_ms.value
     handoff = 0.0 if turn.first_token_ahead else model.read_ms(new)  # D reads the new blocks before its token
     full = model.compute_ms("prefill", turn.prompt_tokens, 0)
-    out = {RECOMPUTE: Estimate(queue + full + handoff + model.other_ms[RECOMPUTE].value, 0.0, full)}
+    out = {RECOMPUTE: Estimate(queue, full + handoff + model.other_ms[RECOMPUTE].value, 0.0, full)}
     if turn.retained_tokens > 0:
         pull = model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
-        out[PULL] = Estimate(queue + pull + handoff + model.other_ms[PULL].value, 0.0, pull)
+        out[PULL] = Estimate(queue, pull + handoff + model.other_ms[PULL].value, 0.0, pull)
     if turn.retained_tokens > 0 and turn.decode_available:
+        # D's measured compute of a prompt includes the decodes it shares its step with; before that step the
+        # turn waits for the one under way, half a step on average.
         on_decode = model.compute_ms("decode", new, turn.retained_tokens)
-        out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
+        step_wait = turn.decode_step_ms / 2 if turn.decode_running else 0.0
+        out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + step_wait,
+                                          on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
                                           on_decode * turn.decode_running, on_decode)
     return out
 
@@ -178,7 +202,7 @@ def choose(model: CostModel, turn: TurnView, policy: str, stall_weight: float) -
     a fixed policy takes its own path whenever it is possible. Adaptive also takes, once in a while, a path it
     has not taken lately when that path is predicted not far off, so its measurements of it stay current."""
     modelled = predict(model, turn)
-    predicted = {path: e.ttft_ms * model.correction[path].value for path, e in modelled.items()}
+    predicted = {path: e.queue_ms + e.service_ms * model.correction[path].value for path, e in modelled.items()}
     cost = {path: predicted[path] + stall_weight * e.stall_ms for path, e in modelled.items()}
     if policy in cost:
         path = policy
@@ -190,5 +214,4 @@ def choose(model: CostModel, turn: TurnView, policy: str, stall_weight: float) -
             path = max(stale, key=model.turns_since_chosen.get)
     else:
         path = PULL if PULL in cost else RECOMPUTE
-    chosen = modelled[path]
-    return PathChoice(path, predicted, chosen.stall_ms, chosen.ttft_ms, chosen.work_ms)
+    return PathChoice(path, predicted, modelled[path].stall_ms, modelled[path])

@@ -91,17 +91,17 @@ class Turn:
     def view(self) -> paths.TurnView:
         """What the path policy needs to know of this turn, from the table and the workers' load."""
         router, entry = self.router, self.entry
-        retained, running, available, decode_backlog = 0, 0, False, 0.0
+        retained, running, available, decode_backlog, step_ms = 0, 0, False, 0.0, 0.0
         if entry is not None:
             retained = int(entry.kv_params.get("remote_num_tokens") or 0)
             holder = router.decode.find(entry.decode_url)
             if holder is not None:
-                running, decode_backlog = holder.in_flight, holder.backlog_ms()
+                running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
         prefill = router.prefill.least_loaded()
         return paths.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                               prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
-                              decode_backlog, may_send_ahead(self.body))
+                              decode_backlog, may_send_ahead(self.body), step_ms)
 
     def estimated_prompt_tokens(self) -> int:
         prompt = self.body.get("prompt")
@@ -122,9 +122,7 @@ class Turn:
             actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
         timed = (p_timing,) if self.first_token_from == "prefill" else (p_timing, d_timing)  # what the TTFT holds
         explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in timed)
-        costs.other_ms[choice.path].add(max(actual - explained, 0.0))
-        if actual > 0 and choice.modelled_ms > 0:
-            costs.correction[choice.path].add(actual / choice.modelled_ms)
+        costs.observe_turn(choice, actual, explained)
         if self.prefill_round_trip_s:
             costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
         prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
@@ -336,7 +334,7 @@ class Turn:
 
     async def relay(self, claim: Claim, response: httpx.Response, first: FirstToken | None = None):
         router, worker_url = self.router, claim.worker.url
-        answer, kv, finished = [], None, False
+        answer, kv, finished, last_token_at = [], None, False, None
         try:
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
@@ -353,8 +351,13 @@ class Turn:
                 for choice in chunk.get("choices") or []:
                     answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
                                   else choice.get("text") or "")
-                if self.first_token_at is None and answer and answer[-1]:
-                    self.first_token_at = time.perf_counter()
+                now = time.perf_counter()
+                if answer and answer[-1]:
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    elif last_token_at is not None:
+                        claim.worker.token_gaps_ms.append((now - last_token_at) * 1e3)
+                    last_token_at = now
                 claim.work_done()
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")

@@ -1,7 +1,9 @@
 """The router's view of its prefill and decode workers: health and load."""
 import asyncio
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,6 +19,12 @@ class WorkerState:
     in_flight: int = 0
     backend: str = "unknown"  # kvturn or vllm, once asked (router/vllm_backend.py)
     pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
+    token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
+
+    @property
+    def step_ms(self) -> float:
+        """How long one of its engine steps takes now (the median recent gap between two streamed tokens)."""
+        return statistics.median(self.token_gaps_ms) if self.token_gaps_ms else 0.0
 
     def backlog_ms(self, now: float | None = None) -> float:
         """Predicted work the worker has still to do before a request sent now gets its turn: what the
