@@ -231,3 +231,17 @@ def test_the_router_streams_prefills_first_token_ahead_and_the_answer_is_unchang
 
 
 SYSTEM_FOR_FIRST_TOKEN = "You answer in one short line. " * 20
+
+
+def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(tiny_model_dir, tmp_path):
+    """D's first read from P introduces D to P, so the first turn that reuses D's KV does no NIXL handshake."""
+    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefix_caching_on_prefill=False, log_dir=tmp_path) as stack:
+        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 0
+        _, results = conversation(stack.url, 1, conversation_id="introduced")
+        assert results[0]["kvturn"]["bytes_p_to_d"] > 0  # D read from P
+        deadline = time.monotonic() + 10
+        while metric(stack.urls["prefill"], "kvturn_nixl_peers") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
+        _, results = conversation(stack.url, 2, conversation_id="introduced")
+        assert results[1]["kvturn"]["reuse"] == "reused"

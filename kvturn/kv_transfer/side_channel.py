@@ -19,6 +19,7 @@ from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
 from kvturn.kv_transfer.params import SECRET_HEADER, RemoteRef
 
 log = logging.getLogger(__name__)
+PEER_HEADER = "X-Kvturn-Peer"  # the caller's own side-channel address (host:port), so the peer can connect back
 
 
 def has_secret(request: Request, secret: str | None) -> bool:
@@ -65,9 +66,20 @@ def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, blo
                         first_token_id=first_token)
 
 
+def peer_address(value: str | None) -> str | None:
+    """`value` if it is a host:port a worker may be at, else None."""
+    host, _, port = (value or "").rpartition(":")
+    if not host or len(value) > 255 or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host or "@" in host:
+        return None
+    return value
+
+
 class PeerClient:
-    def __init__(self, cluster_secret: str | None, timeout_s: float, trusted_peers: list[str]):
+    def __init__(self, cluster_secret: str | None, timeout_s: float, trusted_peers: list[str],
+                 own_address: str | None = None):
         headers = {SECRET_HEADER: cluster_secret} if cluster_secret else {}
+        if cluster_secret and own_address:
+            headers[PEER_HEADER] = own_address
         self.secret = cluster_secret
         self.open_cluster = cluster_secret is None
         self.trusted = set(trusted_peers)
@@ -91,15 +103,15 @@ class PeerClient:
         expected = self.binding(ref.handle, ref.binding_key)
         return isinstance(relayed, str) and expected is not None and hmac.compare_digest(relayed, expected)
 
-    async def agent_info(self, ref: RemoteRef, refresh: bool = False) -> dict:
-        if refresh or ref.address not in self.known:
-            response = await self.http.get(f"http://{ref.address}/kv/agent")
+    async def agent_info(self, address: str, refresh: bool = False) -> dict:
+        if refresh or address not in self.known:
+            response = await self.http.get(f"http://{address}/kv/agent")
             response.raise_for_status()
             info = response.json()
             if not isinstance(info, dict) or not isinstance(info.get("engine_id"), str):
                 raise ValueError("the peer's agent info has no engine_id")
-            self.known[ref.address] = info
-        return self.known[ref.address]
+            self.known[address] = info
+        return self.known[address]
 
     async def acquire(self, ref: RemoteRef, engine_id: str, peer_pool_blocks: int, block_size: int,
                       vocab_size: int) -> RemoteBlocks | str:
@@ -131,8 +143,10 @@ class PeerClient:
             log.info("could not release lease at %s; it expires on its own", ref.address)
 
 
-def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_refused, run_on_engine) -> None:
-    """The endpoints a worker serves to its peers. `run_on_engine(fn)` awaits `fn` run on the engine thread."""
+def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_refused, run_on_engine,
+          on_peer=None) -> None:
+    """The endpoints a worker serves to its peers. `run_on_engine(fn)` awaits `fn` run on the engine thread;
+    `on_peer(address)` hears of a peer of the cluster that fetched our agent info (so we can connect back)."""
 
     def refused(request: Request) -> JSONResponse | None:
         if connector is None:
@@ -157,7 +171,12 @@ def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_re
 
     @app.get("/kv/agent")
     async def agent(request: Request):
-        return refused(request) or JSONResponse(connector.nixl.local_info())
+        if (denied := refused(request)) is not None:
+            return denied
+        caller = peer_address(request.headers.get(PEER_HEADER))
+        if caller and secret is not None and on_peer is not None:  # only a caller that proved the secret
+            on_peer(caller)
+        return JSONResponse(connector.nixl.local_info())
 
     @app.post("/kv/lease/acquire")
     async def acquire(request: Request):

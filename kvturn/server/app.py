@@ -210,7 +210,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         return await generation.complete(request)
 
     side_channel.mount(app, worker.connector, secret, worker.metrics.side_channel_refusals.inc,
-                       worker.async_engine.call)
+                       worker.async_engine.call, worker.connect_back)
     return app
 
 

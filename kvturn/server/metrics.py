@@ -38,6 +38,7 @@ class EngineCollector:
             declines.add_metric([reason], kv_stats.reuse_declines.get(reason, 0))
         yield declines
         leases = self.connector.leases if self.connector else None
+        nixl = self.connector.nixl if self.connector else None
         lease_events = CounterMetricFamily("kvturn_kv_leases", "Retention leases by what ended them",
                                            labels=["event"])
         for event, value in (leases.counts.items() if leases else ()):
@@ -58,6 +59,7 @@ class EngineCollector:
             "kvturn_requests_running": ("Requests running", len(engine.scheduler.running)),
             "kvturn_requests_waiting": ("Requests waiting", len(engine.scheduler.waiting)),
             "kvturn_requests_loading_kv": ("Requests waiting for a remote KV read", len(engine.scheduler.loading)),
+            "kvturn_nixl_peers": ("Peers this worker has a NIXL connection to", len(nixl.peers) if nixl else 0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

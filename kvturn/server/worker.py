@@ -44,9 +44,10 @@ class Worker:
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(self.engine, self.connector)
         connector_config = config.connector
-        self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
-                                connector_config.trusted_peers)
         self.advertise_host = config.advertise_host or config.host
+        self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
+                                connector_config.trusted_peers, f"{self.advertise_host}:{config.port}")
+        self._background: set[asyncio.Task] = set()
         if connector_config.cluster_secret is None:
             log.warning("no cluster secret: this worker trusts any caller that can reach it with kv_transfer_params "
                         "and its side channel, as vLLM's servers trust their network. Set KVTURN_CLUSTER_SECRET "
@@ -105,16 +106,33 @@ class Worker:
                               top_k=max(body.top_k, 0), seed=body.seed, stop=body.stop or [],
                               stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=num_logprobs)
 
+    def connect_back(self, address: str) -> None:
+        """A peer of the cluster fetched our agent info to read from us: connect to it too, in the background,
+        so that our first read from it (the first turn that reuses its KV) does not pay the NIXL handshake."""
+        if self.connector is None or address in self.peers.known:
+            return
+
+        async def connect():
+            try:
+                info = await self.peers.agent_info(address)
+                await self.async_engine.call(lambda: self.connector.nixl.add_peer(info))
+            except Exception as exc:  # an optimisation only: the first read connects if this did not
+                log.info("could not connect back to peer %s: %r", address, exc)
+
+        task = asyncio.get_running_loop().create_task(connect())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def resolve_remote(self, ref: kv_params.RemoteRef, prefilled_for_us: bool,
                              vouched: bool) -> RemoteBlocks | str:
         """Handshake with the peer if needed and get its own account of the lease (from the peer, or relayed by
         a `vouched` caller of the cluster); a reason string on failure."""
         nixl = self.connector.nixl
         try:
-            info = await self.peers.agent_info(ref)
+            info = await self.peers.agent_info(ref.address)
             if ref.engine_id and info["engine_id"] != ref.engine_id:
                 stale = info["engine_id"]
-                info = await self.peers.agent_info(ref, refresh=True)
+                info = await self.peers.agent_info(ref.address, refresh=True)
                 if info["engine_id"] != stale:  # the peer at this address restarted: drop its old NIXL agent
                     await self.async_engine.call(lambda: nixl.forget_peer(stale))
         except (httpx.HTTPError, ValueError):
