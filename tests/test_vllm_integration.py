@@ -19,6 +19,7 @@ import pytest
 
 from kvturn import launch
 from kvturn.bench.vllm_servers import VLLMServer, metric, start_all
+from kvturn.router.fast_json import ids_text
 from kvturn.router.vllm_reuse import common_prefix_len
 
 pytestmark = pytest.mark.skipif(not os.environ.get("KVTURN_VLLM_VENV"),
@@ -109,7 +110,7 @@ def conversation(stack, turns: list, conversation_id: str, stream: bool = False)
         shared = 0
         if previous is not None:
             retained = previous["prompt_ids"] + previous["answer_ids"]
-            shared = common_prefix_len(retained, tokenize(stack["prefill"], messages))
+            shared = common_prefix_len(ids_text(retained), ids_text(tokenize(stack["prefill"], messages)))
         records.append({"messages": list(messages), "reply": reply, "loaded": loaded, "shared": shared})
         messages = messages + [{"role": "assistant", "content": reply["content"]}]
         previous = reply

@@ -20,7 +20,7 @@ class Conversation:
     kv_params: dict  # the decode worker's retention params, passed to prefill next turn
     expires_at: float  # wall clock
     order: int = 0  # how far the conversation had come (messages in the history); a store keeps the newest
-    prompt_token_ids: list[int] | None = None  # for a vLLM backend: the tokens whose KV the decode worker retained
+    prompt_token_ids: str | None = None  # for a vLLM backend: the ids whose KV the decode worker retained, "1,2,3"
 
 
 class ConversationTable:

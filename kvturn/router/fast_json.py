@@ -1,5 +1,5 @@
 """JSON for the long parts of a vLLM turn: the message history (encoded once, sent three times) and lists of thousands
-of token ids (parsed once, and not at all when decode echoes the ids /tokenize already gave).
+of token ids (never parsed: cut out of the worker's JSON and kept as their text, see vllm_reuse.py).
 
 A turn at 8k tokens carries ~35 KB of history and 8k ids in three places; the standard `json` module took the
 router several ms of CPU per turn for them, over its budget of 2 ms. orjson does the same work in C, several times
@@ -10,7 +10,7 @@ import json
 import orjson
 
 loads = orjson.loads  # its error is a json.JSONDecodeError (a ValueError), as the standard module's
-_INT_LIST_BYTES = b"0123456789,- \t\r\n"
+_ID_LIST_BYTES = b"0123456789,"
 
 
 def dumps(value) -> bytes:
@@ -46,12 +46,15 @@ def cut_int_list(payload: str, key: str) -> tuple[str, str | None]:
     return before + after, payload[start + len(marker):end]
 
 
-def parse_int_list(text: str) -> list[int] | None:
-    """The ints of a JSON list's inside (`1,2,3`); None if it is not one."""
-    raw = text.encode()
-    if raw.translate(None, _INT_LIST_BYTES):  # anything but ints (floats, strings, true, null) is not a token list
+def checked_ids(text: str) -> str | None:
+    """`text` if it is the inside of a JSON list of token ids as vLLM writes one ("1,2,3"), else None."""
+    if text.encode().translate(None, _ID_LIST_BYTES) or ",," in text or text.startswith(",") or text.endswith(","):
         return None
-    try:
-        return orjson.loads(b"[%s]" % raw)
-    except orjson.JSONDecodeError:
+    return text
+
+
+def ids_text(values) -> str | None:
+    """A list of token ids as that text ("1,2,3"); None for anything else."""
+    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
         return None
+    return ",".join(map(str, values))

@@ -11,7 +11,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvturn.config import RouterConfig
-from kvturn.router.fast_json import cut_int_list, dumps, encode_with, loads, parse_int_list
+from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
 from kvturn.router.vllm_reuse import OUTCOMES
 from kvturn.router.work_clock import WorkClock
 
@@ -108,15 +108,15 @@ class VLLMBackend:
         return self.block_sizes.get(url, DEFAULT_BLOCK_SIZE)
 
     async def prompt_ids(self, client: httpx.AsyncClient, prefill_url: str, body: dict, chat: bool,
-                         clock: WorkClock, messages_json: bytes | None) -> tuple[list[int] | None, str | None, bool]:
-        """(the token ids the request's prompt renders to, or None if unknown; their JSON text as /tokenize sent
-        it; whether they came from the local tokenizer, so that the workers must be handed them to compute exactly
-        these)."""
+                         clock: WorkClock, messages_json: bytes | None) -> tuple[str | None, list[int] | None]:
+        """(the token ids the request's prompt renders to, as their text "1,2,3" (vllm_reuse.py), or None if unknown;
+        the same ids as a list when they came from the local tokenizer: the workers must be handed them to compute
+        exactly these)."""
         started = time.perf_counter()
         try:
             prompt = body.get("prompt")
             if not chat and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return prompt, None, False
+                return ids_text(prompt), None
             if self._tokenizer is not None:
                 clock.pause()  # on a thread, off the event loop: the turn waits for it like a worker
                 try:
@@ -124,7 +124,7 @@ class VLLMBackend:
                 finally:
                     clock.resume()
                 if local is not None:
-                    return local, None, True
+                    return local
             request = {"model": body.get("model")}
             if chat:
                 request["messages"] = None
@@ -134,7 +134,7 @@ class VLLMBackend:
                 request["prompt"] = prompt
                 content = dumps(request)
             else:
-                return None, None, False
+                return None, None
             outgoing = client.build_request("POST", endpoint(f"{prefill_url}/tokenize"), content=content, headers=JSON)
             clock.pause()
             try:
@@ -142,19 +142,19 @@ class VLLMBackend:
             finally:
                 clock.resume()
             if response.status_code != 200:
-                return None, None, False
-            _, ids_text = cut_int_list(response.content.decode(), "tokens")
-            if ids_text is None:
-                tokens = loads(response.content).get("tokens")
-                return (tokens if isinstance(tokens, list) else None), None, False
-            return parse_int_list(ids_text), ids_text, False
-        except (httpx.HTTPError, ValueError):
-            return None, None, False
+                return None, None
+            _, tokens = cut_int_list(response.content.decode(), "tokens")
+            if tokens is None:  # not vLLM's compact JSON: parsed whole
+                return ids_text(loads(response.content).get("tokens")), None
+            return checked_ids(tokens), None
+        except (httpx.HTTPError, ValueError, AttributeError):  # AttributeError: a reply that is not a JSON object
+            return None, None
         finally:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
 
-    def _local_ids(self, body: dict, chat: bool) -> list[int] | None:
-        """The local template renders plain text messages only; anything else is left to the backend."""
+    def _local_ids(self, body: dict, chat: bool) -> tuple[str, list[int]] | None:
+        """(text, list) of the prompt's ids. The local template renders plain text messages only; anything else is
+        left to the backend."""
         if body.get("echo") or any(k in body for k in RENDERING_FIELDS if k != "add_generation_prompt"):
             return None
         if chat:
@@ -162,9 +162,12 @@ class VLLMBackend:
             if body.get("add_generation_prompt", True) is not True or \
                     not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
                 return None
-            return self._tokenizer.encode(self._tokenizer.apply_chat_template(messages))
-        prompt = body.get("prompt")
-        return self._tokenizer.encode(prompt) if isinstance(prompt, str) else None
+            ids = self._tokenizer.encode(self._tokenizer.apply_chat_template(messages))
+        elif isinstance(body.get("prompt"), str):
+            ids = self._tokenizer.encode(body["prompt"])
+        else:
+            return None
+        return ids_text(ids), ids
 
     async def wait_pending(self, key: str | None) -> None:
         """Let the previous streamed turn's retention call land before this turn looks the conversation up."""

@@ -8,6 +8,8 @@ import time
 import httpx
 
 from kvturn.router.conversations import Conversation
+from kvturn.router.fast_json import encode_with
+from kvturn.router.vllm_backend import JSON
 from kvturn.router.vllm_params import RETAIN_AS_PREFILL, stored_params
 from kvturn.router.vllm_reuse import retained_token_ids
 
@@ -15,17 +17,19 @@ log = logging.getLogger("kvturn.router")
 MARGIN_S = 5.0  # the router forgets a pinned retention this long before decode frees it
 
 
-async def retain_streamed_turn(router, key: str, decode_url: str, model: str | None, token_ids: list[int],
+async def retain_streamed_turn(router, key: str, decode_url: str, model: str | None, token_ids: str,
                                order: int) -> None:
-    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": dict(RETAIN_AS_PREFILL)}
+    """`token_ids`: the streamed turn's prompt and answer, as their text "1,2,3" (vllm_reuse.py)."""
+    body = {"model": model, "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": dict(RETAIN_AS_PREFILL)}
     worker = router.decode.find(decode_url)
     kv = None
     try:
         if worker is None:
             raise httpx.HTTPError("the decode worker left the pool")
         with router.decode.claim(worker):
-            response = await router.http.post(decode_url + "/v1/completions", json=body)
+            response = await router.http.post(decode_url + "/v1/completions",
+                                              content=encode_with(body, "prompt", f"[{token_ids}]".encode()),
+                                              headers=JSON)
         kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
         log.warning("retention call to %s failed: %s", decode_url, exc)

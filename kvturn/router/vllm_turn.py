@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
-from kvturn.router.fast_json import cut_int_list, dumps, encode_with, loads, parse_int_list
+from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
 from kvturn.router.turn import Turn, UpstreamError
 from kvturn.router.vllm_backend import JSON, endpoint
 from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
@@ -37,8 +37,7 @@ class VLLMTurn(Turn):
         self.one_choice = self.body.get("n") in (None, 1)  # with several answers, which one D's KV holds is unclear
         self.work = work  # started once the request's body was in; paused around every wait on a worker or the client
         self.tokenize_s = 0.0
-        self.prompt_ids: list[int] | None = None
-        self.prompt_ids_text: str | None = None  # as /tokenize sent them: decode's echo of the same text is not parsed
+        self.prompt_ids: str | None = None  # as text, "1,2,3" (vllm_reuse.py)
         messages = self.body.get("messages")
         self.messages_json = dumps(messages) if self.chat and messages else None
 
@@ -48,10 +47,11 @@ class VLLMTurn(Turn):
             return encode_with(body, "messages", self.messages_json)
         return dumps(body)
 
-    def echoed_prompt_ids(self, ids_text: str | None) -> list[int] | None:
-        if ids_text is None:
+    def echoed_prompt_ids(self, ids: str | None) -> str | None:
+        """Decode's prompt ids, cut out of its JSON: most often the very text /tokenize sent, checked once."""
+        if ids is None:
             return None
-        return self.prompt_ids if ids_text == self.prompt_ids_text else parse_int_list(ids_text)
+        return self.prompt_ids if ids == self.prompt_ids else checked_ids(ids)
 
     def observe_work(self) -> None:
         wall_ms, cpu_ms = self.work.totals_ms()
@@ -95,15 +95,13 @@ class VLLMTurn(Turn):
         """Decide how many of D's retained tokens P may load, from the token ids on both sides."""
         entry, metrics = self.entry, self.vllm.metrics
         started = time.perf_counter()
-        ids, self.prompt_ids_text, local = await self.vllm.prompt_ids(self.router.http, prefill_url, self.body,
-                                                                      self.chat, self.work, self.messages_json)
+        ids, self.pinned_ids = await self.vllm.prompt_ids(self.router.http, prefill_url, self.body, self.chat,
+                                                          self.work, self.messages_json)
         self.prompt_ids = ids
         self.tokenize_s = time.perf_counter() - started
-        if local:
-            self.pinned_ids = ids
         if entry is None or not entry.kv_params:
             self.outcome = vllm_reuse.NO_PARAMS
-        elif not entry.prompt_token_ids:
+        elif not entry.prompt_token_ids or not isinstance(entry.prompt_token_ids, str):  # a list: an older router's
             self.outcome = vllm_reuse.NO_TOKEN_IDS
         elif ids is None:
             self.outcome = vllm_reuse.TOKENIZE_FAILED
@@ -171,7 +169,7 @@ class VLLMTurn(Turn):
             failed = response
             router.metrics.retries.labels("prefill_failed").inc()
 
-    async def remember_vllm(self, decode_url: str, kv: dict | None, retained_ids: list[int] | None,
+    async def remember_vllm(self, decode_url: str, kv: dict | None, retained_ids: str | None,
                             answer: str | None) -> None:
         """Keep D's params with the token ids its KV holds (`retained_ids`, cut at the params' count); anything else
         means no reuse next turn."""
@@ -232,16 +230,15 @@ class VLLMTurn(Turn):
         claim.release()
         if response.status_code != 200:
             return self.decode_refused(response.content, response.status_code)
-        text, ids_text = response.content.decode(), None
-        if not self.wants_ids:
-            text, ids_text = cut_int_list(text, "prompt_token_ids")
-        result = loads(text)
+        text = response.content.decode()
+        rest, echoed = cut_int_list(text, "prompt_token_ids")
+        result = loads(text if self.wants_ids else rest)
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
-        prompt_ids = self.echoed_prompt_ids(ids_text) or result.get("prompt_token_ids") or \
-            choice.get("prompt_token_ids")
-        retained = vllm_reuse.retained_token_ids(prompt_ids, choice.get("token_ids"),
+        prompt_ids = self.echoed_prompt_ids(echoed) or ids_text(result.get("prompt_token_ids") or
+                                                                choice.get("prompt_token_ids"))
+        retained = vllm_reuse.retained_token_ids(prompt_ids, ids_text(choice.get("token_ids")),
                                                  kv.get("remote_num_tokens") if isinstance(kv, dict) else None)
         await self.remember_vllm(claim.worker.url, kv, retained, answer)
         self.strip_ids(result)
@@ -294,13 +291,14 @@ class VLLMTurn(Turn):
                     self.work.pause()
                     yield "data: [DONE]\n\n"
                     continue
-                if prompt_ids is None and not self.wants_ids:
-                    payload, ids_text = cut_int_list(payload, "prompt_token_ids")
-                    prompt_ids = self.echoed_prompt_ids(ids_text)
+                if prompt_ids is None:
+                    rest, echoed = cut_int_list(payload, "prompt_token_ids")
+                    prompt_ids = self.echoed_prompt_ids(echoed)
+                    payload = payload if self.wants_ids else rest
                 chunk = loads(payload)
-                prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
+                prompt_ids = prompt_ids or ids_text(chunk.get("prompt_token_ids"))
                 for choice in chunk.get("choices") or []:
-                    prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+                    prompt_ids = prompt_ids or ids_text(choice.get("prompt_token_ids"))
                     answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
                                   else choice.get("text") or "")
                     output_ids.extend(choice.get("token_ids") or ())
@@ -325,17 +323,16 @@ class VLLMTurn(Turn):
                 router.metrics.requests.labels("decode_error").inc()
             await response.aclose()
 
-    async def after_stream(self, decode_url: str, kv: dict | None, prompt_ids: list[int] | None,
+    async def after_stream(self, decode_url: str, kv: dict | None, prompt_ids: str | None,
                            output_ids: list[int], finish_reason: str | None, answer: str) -> None:
         """Record what the next turn may reuse before the last write: a client may hang up right after [DONE]."""
-        metrics = self.vllm.metrics
+        metrics, output = self.vllm.metrics, ids_text(output_ids)
         if kv is not None:
             metrics.streams.labels("stream").inc()
-            retained = vllm_reuse.retained_token_ids(prompt_ids, output_ids, kv.get("remote_num_tokens"))
+            retained = vllm_reuse.retained_token_ids(prompt_ids, output, kv.get("remote_num_tokens"))
             await self.remember_vllm(decode_url, kv, retained, answer)
             return
         metrics.stream_without_kv_params.inc()
-        ids = (prompt_ids or []) + output_ids
         if self.key is None or not self.router.config.vllm_retain_streamed_turns or not prompt_ids or \
                 finish_reason not in FINISHED_WITH_RETENTION or not self.one_choice:
             metrics.streams.labels("none").inc()
@@ -348,7 +345,7 @@ class VLLMTurn(Turn):
         messages = self.body.get("messages")
         order = len(messages) if isinstance(messages, list) else 0
         task = asyncio.create_task(retain_streamed_turn(self.router, self.key, decode_url, self.body.get("model"),
-                                                        ids, order))
+                                                        vllm_reuse.joined_ids(prompt_ids, output), order))
         self.vllm.pending[self.key] = task
         task.add_done_callback(lambda done, key=self.key: self.vllm.pending.pop(key, None)
                                if self.vllm.pending.get(key) is done else None)

@@ -1,8 +1,12 @@
-"""The router's own work in one turn: the stretches of code between its waits on workers and the client.
+"""The router's own work in one turn: the stretches of code between its waits on workers and the client, from the
+moment the request's body is in (parsing it, the history's digests) until the answer (streamed: its [DONE]) goes to
+the HTTP server. Calls to a Redis conversation table are not paused: their round trips count as work.
 
 On one event loop nothing else runs between two awaits, so these stretches are this turn's alone, whatever else
 is in flight. Thread CPU time is kept beside wall time: on a shared machine the wall clock also counts the time
-the router's process waited for a core."""
+the router's process waited for a core. What the clock leaves out is the HTTP machinery on both sides (the server
+reading the request and writing the answer, the client writing to and reading from workers): it runs inside the
+waits. benchmarks/router_overhead.py measures the whole process's CPU beside it."""
 import time
 
 

@@ -1,0 +1,157 @@
+"""The router's own work per turn in front of vLLM workers (issue 10: at most 2 ms p50 at 8k-token prompts), without
+vLLM: `kvturn router --backend vllm` fronts two fake vLLM workers (tests/fake_vllm.py, real HTTP servers in vLLM's
+shapes that answer at once), and multi-turn conversations with ~8k-token prompts go through it, streamed and not.
+
+    python benchmarks/router_overhead.py [--conversations 6] [--turns 6] [--prompt-tokens 8192]
+                                         [--out results/router_overhead.json]
+
+Per turn it reads the router's own account of its work (the growth of `kvturn_router_own_work_seconds_sum` and
+`..._cpu_seconds_sum` over the turn; turns run one at a time, so each growth is one turn's), the CPU time of the
+router's whole process over the turn (Linux schedstat: the HTTP server and client as well, which the work clock counts
+as waiting), and the turn's latency at the client. Prints a table of p50/p99 per mode and writes JSON with every turn
+and the machine it ran on. kvturn's own backend (`--backend kvturn`) is not measured: the work clock covers vLLM turns
+only.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from kvturn import launch
+from kvturn.bench.machine import machine, write_json
+from kvturn.bench.workload import TextSource
+from kvturn.model.make_model import default_model_dir
+from kvturn.model.tokenizer import ChatTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from chat import metric, send  # noqa: E402
+from fake_vllm import FakeVLLM  # noqa: E402
+
+OWN_WALL = "kvturn_router_own_work_seconds_sum"
+OWN_CPU = "kvturn_router_own_work_cpu_seconds_sum"
+USER_TOKENS = 64
+ANSWER_TOKENS = 32
+WARMUP_TURNS = 3
+
+
+def conversations(source: TextSource, count: int, turns: int, prompt_tokens: int, seed: int) -> list[dict]:
+    """Conversations whose prompts grow through `prompt_tokens` (half the turns below it, half above)."""
+    rng = np.random.default_rng(seed)
+    system_tokens = prompt_tokens - turns * (USER_TOKENS + ANSWER_TOKENS) // 2
+    return [{"system": source.text(rng, system_tokens), "users": [source.text(rng, USER_TOKENS) for _ in range(turns)]}
+            for _ in range(count)]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU time of all the threads of a process so far, in ns resolution (/proc/PID/task/*/schedstat)."""
+    return sum(int(stat.read_text().split()[0]) for stat in Path(f"/proc/{pid}/task").glob("*/schedstat")) / 1e9
+
+
+def run_conversation(url: str, router_pid: int, conversation: dict, conversation_id: str, stream: bool) -> list[dict]:
+    messages, records = [{"role": "system", "content": conversation["system"]}], []
+    for user in conversation["users"]:
+        messages.append({"role": "user", "content": user})
+        wall_before, cpu_before = metric(url, OWN_WALL), metric(url, OWN_CPU)
+        process_before, started = process_cpu_s(router_pid), time.perf_counter()
+        result = send(url, messages, conversation_id, stream, max_tokens=ANSWER_TOKENS)
+        latency_ms = (time.perf_counter() - started) * 1e3
+        process_ms = (process_cpu_s(router_pid) - process_before) * 1e3
+        kvturn = result["kvturn"]
+        records.append({"stream": stream, "prompt_tokens": kvturn["prompt_tokens"], "reuse": kvturn["reuse"],
+                        "tokens_passed": kvturn["tokens_passed"],
+                        "own_wall_ms": (metric(url, OWN_WALL) - wall_before) * 1e3,
+                        "own_cpu_ms": (metric(url, OWN_CPU) - cpu_before) * 1e3, "process_cpu_ms": process_ms,
+                        "client_ms": latency_ms})
+        messages.append({"role": "assistant", "content": result["text"]})
+    return records
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+def summary(records: list[dict]) -> dict:
+    row = {"turns": len(records), "prompt_tokens_min": min(r["prompt_tokens"] for r in records),
+           "prompt_tokens_max": max(r["prompt_tokens"] for r in records),
+           "reuse": {o: sum(r["reuse"] == o for r in records) for o in sorted({r["reuse"] for r in records})}}
+    for key in ("own_wall_ms", "own_cpu_ms", "process_cpu_ms", "client_ms"):
+        values = [r[key] for r in records]
+        row[key] = {"p50": statistics.median(values), "p99": percentile(values, 99), "max": max(values)}
+    return row
+
+
+def measure(args, workdir: Path) -> dict:
+    model_dir = default_model_dir("tiny")
+    source = TextSource(ChatTokenizer(model_dir))
+    prefill, decode = (FakeVLLM(launch.free_port(), workdir, model_dir) for _ in range(2))
+    port = launch.free_port()
+    router = launch.start(["router", "--backend", "vllm", "--prefill", prefill.url, "--decode", decode.url,
+                           "--port", str(port)], workdir / "router.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        prefill.wait_listening()
+        decode.wait_listening()
+        launch.wait_healthy(url, router)
+        warmup = conversations(source, 1, WARMUP_TURNS, args.prompt_tokens, args.seed + 1)[0]
+        for stream in (False, True):
+            run_conversation(url, router.pid, warmup, f"warmup-{stream}", stream)
+        rows, records = {}, []
+        for stream in (False, True):
+            mode = "streamed" if stream else "not streamed"
+            mode_records = []
+            for i, conversation in enumerate(conversations(source, args.conversations, args.turns, args.prompt_tokens,
+                                                           args.seed)):
+                mode_records += run_conversation(url, router.pid, conversation, f"{mode}-{i}", stream)
+            rows[mode] = summary(mode_records)
+            rows[mode + ", later turns"] = summary([r for r in mode_records if r["reuse"] != "no_params"])
+            records += mode_records
+        rows["all"] = summary(records)
+        return {"rows": rows, "records": records}
+    finally:
+        launch.stop(router)
+        prefill.stop()
+        decode.stop()
+
+
+def print_table(rows: dict, info: dict) -> None:
+    table = Table(title="kvturn router's own work per turn, vLLM backend, fake workers that answer at once")
+    for column in ("turns", "n", "prompt tokens", "own work wall p50 / p99 ms", "own work CPU p50 / p99 ms",
+                   "process CPU p50 / p99 ms", "client p50 ms", "reuse"):
+        table.add_column(column, justify="right")
+    for mode, row in rows.items():
+        table.add_row(mode, str(row["turns"]), f"{row['prompt_tokens_min']}-{row['prompt_tokens_max']}",
+                      *(f"{row[k]['p50']:.2f} / {row[k]['p99']:.2f}" for k in ("own_wall_ms", "own_cpu_ms",
+                                                                               "process_cpu_ms")),
+                      f"{row['client_ms']['p50']:.1f}", " ".join(f"{k}={v}" for k, v in row["reuse"].items()))
+    console = Console(width=200)
+    console.print(table)
+    console.print(f"machine: {info['cpu']}, {info['cores']} cores, load average before {info['load_before']}")
+    console.print("kvturn backend (--backend kvturn): not measured; the work clock covers vLLM turns only")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/router_overhead.json")
+    args = parser.parse_args()
+    info = machine() | {"load_before": [round(x, 2) for x in os.getloadavg()]}
+    with tempfile.TemporaryDirectory() as workdir:
+        result = measure(args, Path(workdir))
+    info["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    print_table(result["rows"], info)
+    print(write_json(Path(args.out), {"machine": info, "args": vars(args), **result}))
+
+
+if __name__ == "__main__":
+    main()
