@@ -35,15 +35,16 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _depth_ok(value, limit: int) -> bool:
+def _depth_ok(raw: bytes, value, limit: int) -> bool:
+    if raw.count(b"[") + raw.count(b"{") <= limit:  # cannot nest deeper than it has brackets (most bodies)
+        return True
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return False
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
+        if depth > limit:
+            return False
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if type(child) in (dict, list))
     return True
 
 
@@ -58,7 +59,7 @@ def parse_json_object(raw: bytes) -> dict:
         raise BadRequest(f"malformed JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if not _depth_ok(body, MAX_JSON_DEPTH):
+    if not _depth_ok(raw, body, MAX_JSON_DEPTH):
         raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     return body
 

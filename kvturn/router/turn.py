@@ -13,11 +13,12 @@ from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import FirstToken, may_send_ahead
-from kvturn.router import paths
+from kvturn.router import fast_json, paths
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.workers import Claim, WorkerState
 
 log = logging.getLogger("kvturn.router")
+JSON_CONTENT = {"Content-Type": "application/json"}
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
 
 
@@ -159,14 +160,15 @@ class Turn:
                 p_body["conversation_id"] = self.key
             with router.prefill.claim(worker, self.choice.work_ms):
                 try:
-                    response = await router.http.post(worker.url + self.path, json=p_body)
+                    response = await router.http.post(worker.url + self.path, content=fast_json.dumps(p_body),
+                                                      headers=JSON_CONTENT)
                 except httpx.HTTPError:
                     router.prefill.mark_dead(worker)
                     tried.add(worker.url)
                     router.metrics.retries.labels("prefill_unreachable").inc()
                     continue
             if response.status_code == 200:
-                return response.json(), worker.url
+                return fast_json.loads(response.content), worker.url
             if response.status_code < 500:
                 raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
             if lease is not None:
