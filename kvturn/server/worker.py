@@ -140,7 +140,7 @@ class Worker:
         if ref.engine_id and info["engine_id"] != ref.engine_id:
             return policy.LEASE_UNKNOWN  # the peer restarted: its leases died with it
         try:
-            peer = await self.async_engine.call(lambda: nixl.add_peer(info))
+            peer = nixl.peers.get(info["engine_id"]) or await self.async_engine.call(lambda: nixl.add_peer(info))
         except LayoutMismatch as exc:
             log.error("refusing peer %s: %s", ref.address, exc)
             return policy.LAYOUT_MISMATCH
