@@ -12,6 +12,7 @@ BLOCK_SIZE = default_of(EngineConfig, "block_size")
 MIN_FIT_SAMPLES = 4
 QUIET_SHARE = 0.25  # a prompt computed with the other role busy for less than this is taken as uncontended
 MAX_SLOWDOWN = 3.0
+MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
 
 
 class CalibrationError(ValueError):
@@ -105,7 +106,8 @@ def fit_decode_step(by_leg: dict[str, list[Row]]) -> tuple[tuple[float, float, f
     if len(tpot) < MIN_FIT_SAMPLES:
         raise CalibrationError("too few P/D requests with more than one output token to fit the decode step time")
     x, y = np.array(features), np.array(tpot)
-    active = [0, 1, 2, 3]
+    # Batches that barely varied cannot tell a cost per request from the fixed one: the context term carries it.
+    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3]
     while active:
         solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
         if (solution >= 0).all():
