@@ -11,6 +11,12 @@ import httpx
 log = logging.getLogger("kvturn.router")
 
 
+class UpstreamError(Exception):
+    """A worker's answer (or the lack of any worker) to pass on to the client as it is."""
+    def __init__(self, response):
+        self.response = response
+
+
 @dataclass(slots=True)
 class WorkerState:
     url: str

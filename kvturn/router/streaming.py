@@ -1,0 +1,121 @@
+"""A turn's streamed answer: P's first token sent ahead where it may be, then the decode worker's stream relayed
+to the client as it comes, with the lease D returns at the end remembered for the next turn.
+
+`Streaming` is a part of `turn.Turn` (and of the vLLM turn, which overrides the relay); it uses the turn's
+state (body, router, claims) and its `open_decode`, `remember`, `merged_kvturn` and `decode_refused`.
+"""
+import json
+import logging
+import time
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from kvturn.errors import error_body
+from kvturn.router.first_token import FirstToken
+from kvturn.router.workers import Claim, UpstreamError
+
+log = logging.getLogger("kvturn.router")
+
+
+def stream_error(content: bytes, status: int) -> str:
+    """An upstream error as an event of a stream already under way: the worker's own error if it sent one."""
+    try:
+        error = json.loads(content)
+    except ValueError:
+        error = None
+    if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
+        error = error_body(status, "the decode worker failed mid-stream")
+    return f"data: {json.dumps(error)}\n\n"
+
+
+class Streaming:
+    async def stream_decode(self, d_body: dict) -> Response:
+        router = self.router
+        first = FirstToken.from_prefill(self.body, self.prefill, self.chat) if self.prefill else None
+        if first is not None:
+            return StreamingResponse(self.stream_after_first_token(first, d_body), media_type="text/event-stream")
+        try:
+            claim, response = await self.open_decode(d_body, stream=True)
+        except UpstreamError as exc:
+            router.metrics.requests.labels("decode_error").inc()
+            return exc.response
+        if response.status_code != 200:
+            claim.release()
+            content = await response.aread()
+            await response.aclose()
+            return self.decode_refused(content, response.status_code)
+        return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
+                                 background=BackgroundTask(self.close_stream, claim, response))
+
+    async def stream_after_first_token(self, first: FirstToken, d_body: dict):
+        """P's first token now, then D's stream without it. The status is sent with the first token, so a
+        decode worker that cannot be reached or refuses shows as an error event in the stream."""
+        yield first.events()
+        self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
+        try:
+            claim, response = await self.open_decode(d_body, stream=True)
+        except UpstreamError as exc:
+            self.router.metrics.requests.labels("decode_error").inc()
+            yield stream_error(exc.response.body, exc.response.status_code)
+            return
+        if response.status_code != 200:
+            claim.release()
+            content = await response.aread()
+            await response.aclose()
+            self.decode_refused(content, response.status_code)
+            yield stream_error(content, response.status_code)
+            return
+        async for event in self.relay(claim, response, first):
+            yield event
+
+    async def close_stream(self, claim: Claim, response: httpx.Response) -> None:
+        """Runs after the response, even when the client left before the relay began."""
+        claim.release()
+        await response.aclose()
+
+    async def relay(self, claim: Claim, response: httpx.Response, first: FirstToken | None = None):
+        router, worker_url = self.router, claim.worker.url
+        answer, kv, finished, last_token_at = [], None, False, None
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    # Record the lease before the last write: a client may hang up right after [DONE].
+                    finished = True
+                    await self.remember(worker_url, kv, "".join(answer))
+                    router.metrics.requests.labels("ok").inc()
+                    yield "data: [DONE]\n\n"
+                    continue
+                chunk = json.loads(payload)
+                for choice in chunk.get("choices") or []:
+                    answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
+                                  else choice.get("text") or "")
+                now = time.perf_counter()
+                if answer and answer[-1]:
+                    if self.first_token_at is None:
+                        self.first_token_at = now
+                    elif last_token_at is not None:
+                        claim.worker.token_gaps_ms.append((now - last_token_at) * 1e3)
+                    last_token_at = now
+                claim.work_done()
+                if "kv_transfer_params" in chunk:
+                    kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
+                if first is not None and not first.trim(chunk):
+                    continue
+                if "kvturn" in chunk:
+                    chunk["kvturn"] = self.merged_kvturn(chunk["kvturn"], worker_url)
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
+            yield stream_error(b"", 503)
+        finally:
+            claim.release()
+            if not finished:
+                if self.key:
+                    await router.table.drop(self.key)
+                router.metrics.requests.labels("decode_error").inc()
+            await response.aclose()
