@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, required=True)
     parser.add_argument("--sessions", type=int, default=10_000)
     parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--ttls", default="", help="TTLs to sweep beside 480 s (each one more simulation)")
     parser.add_argument("--out", type=Path, default=Path("results/plan-scale"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -43,7 +44,7 @@ def main() -> None:
     requests = write_trace(trace, args.sessions, args.turns, seed=0)
     command = [sys.executable, "-m", "kvturn.cli", "plan", "--workload", str(trace), "--calibration",
                str(args.calibration), "--prefill", "64", "--decode", "64", "--kv-cache-mb", "16384",
-               "--legs", "pd/P-cache-on,bidir/P-cache-on", "--ttls", "120", "--budgets", "", "--out", str(args.out)]
+               "--legs", "pd/P-cache-on,bidir/P-cache-on", "--ttls", args.ttls, "--budgets", "", "--out", str(args.out)]
     started = time.perf_counter()
     subprocess.run(command, check=True)
     elapsed = time.perf_counter() - started

@@ -9,13 +9,13 @@ import numpy as np
 from kvturn.bench.compare import LEGS
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
-from kvturn.plan.predict import LegPrediction, simulate
+from kvturn.plan.predict import LegPrediction, simulate_many
 from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
 DEFAULT_TTLS_S = (60.0, 120.0, 240.0, 480.0)
-BUDGET_SHARES = (None, 0.5, 0.25)  # None: the deployment's own budget; else a share of its peak retained KV
+BUDGET_SHARES = (0.5, 0.25)  # budgets swept beside the deployment's own: shares of its peak retained KV
 KEEP_GAIN = 0.95
 # The router forgets a lease a little before the decode worker ends it, as the defaults do (450 s against 480 s).
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
@@ -76,20 +76,28 @@ def break_even_history(calibration: Calibration, new_tokens: int, baseline: str,
     return high
 
 
+def sweep_settings(deployment: Deployment, ttl: float, budget_mb: int | None) -> Deployment:
+    return replace(deployment, decoder_kv_blocks_ttl_s=ttl, retained_kv_budget_mb=budget_mb,
+                   conversation_ttl_s=ttl * ROUTER_TTL_SHARE)
+
+
 def sweep(workload: Workload, leg: str, deployment: Deployment, calibration: Calibration, ttls: list[float],
-          budget_shares: tuple, reference_peak_mib: float) -> list[SweepPoint]:
-    points = []
+          budget_shares: tuple, reference: LegPrediction) -> list[SweepPoint]:
+    """The leg at each TTL with the deployment's own budget and with each share of `reference`'s peak as the
+    budget; the deployment's own point is `reference` itself."""
+    runs = {}
     for ttl in ttls:
-        for share in budget_shares:
-            if share is not None and reference_peak_mib <= 0:
-                continue
-            budget = deployment.retained_kv_budget_mb if share is None else max(int(reference_peak_mib * share), 1)
-            settings = replace(deployment, decoder_kv_blocks_ttl_s=ttl, retained_kv_budget_mb=budget,
-                               conversation_ttl_s=ttl * ROUTER_TTL_SHARE)
-            result = simulate(workload, LEGS[leg], settings, calibration)
-            points.append(SweepPoint(ttl, budget, result.later_ttft_p50_ms, result.peak_retained_mib,
-                                     result.reuse_share))
-    return points
+        budgets = [deployment.retained_kv_budget_mb]
+        if reference.peak_retained_mib > 0:
+            budgets += [max(int(reference.peak_retained_mib * share), 1) for share in budget_shares]
+        for budget in budgets:
+            runs[(ttl, budget)] = sweep_settings(deployment, ttl, budget)
+    own = (deployment.decoder_kv_blocks_ttl_s, deployment.retained_kv_budget_mb)
+    others = [key for key in runs if key != own]
+    results = dict(zip(others, simulate_many(workload, calibration, [(leg, runs[key]) for key in others])))
+    results[own] = reference
+    return [SweepPoint(ttl, budget, r.later_ttft_p50_ms, r.peak_retained_mib, r.reuse_share)
+            for (ttl, budget), r in sorted(results.items(), key=lambda item: (item[0][0], -(item[0][1] or 1e18)))]
 
 
 def reference_point(points: list[SweepPoint], deployment: Deployment) -> SweepPoint | None:
@@ -111,6 +119,8 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
     new_tokens = [t.prompt_tokens - t.shared_tokens for s in workload.sessions for t in s.turns[1:]]
     typical_new = int(np.median(new_tokens)) if new_tokens else 0
     break_even = break_even_history(calibration, typical_new, baseline, candidate)
+    if break_even is not None:  # below the threshold the prefill worker declines to read at all
+        break_even = max(break_even, deployment.kv_recompute_threshold_tokens)
     ttl = deployment.decoder_kv_blocks_ttl_s
     gib = cand.peak_retained_mib / 1024
     words = [f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns), "
@@ -148,16 +158,15 @@ def with_gain_shares(points: list[SweepPoint], baseline_ms: float, reference: Sw
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
-         prefix_caching_on_prefill: bool, ttls: list[float], budget_shares: tuple = BUDGET_SHARES[1:]) -> dict:
+         prefix_caching_on_prefill: bool, ttls: list[float], budget_shares: tuple = BUDGET_SHARES) -> dict:
     """`budget_shares`: the retention budgets to sweep beside the deployment's own, as shares of the candidate's
     peak retained KV."""
     started = time.perf_counter()
     baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
     chosen = list(dict.fromkeys([*legs, baseline, candidate]))
-    predictions = {leg: simulate(workload, LEGS[leg], deployment, calibration) for leg in chosen}
+    predictions = dict(zip(chosen, simulate_many(workload, calibration, [(leg, deployment) for leg in chosen])))
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
-    points = sweep(workload, candidate, deployment, calibration, ttls, (None, *budget_shares),
-                   predictions[candidate].peak_retained_mib)
+    points = sweep(workload, candidate, deployment, calibration, ttls, budget_shares, predictions[candidate])
     with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, reference_point(points, deployment))
     return {
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,

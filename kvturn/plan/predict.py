@@ -1,9 +1,13 @@
-"""What one leg's simulation predicts: the figures `kvturn bench` measures, from the simulated turns."""
+"""What one leg's simulation predicts: the figures `kvturn bench` measures, from the simulated turns; several
+simulations of a large workload at once on the machine's cores."""
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvturn.bench.compare import Leg
+from kvturn.bench.compare import LEGS, Leg
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.trace import Workload
@@ -50,3 +54,28 @@ def predict(sim: Simulation) -> LegPrediction:
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
     return predict(Simulation(workload, leg, deployment, calibration))
+
+
+PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
+_shared: tuple = ()  # (workload, calibration), inherited by forked workers rather than pickled to each
+
+
+def _share(workload: Workload, calibration: Calibration) -> None:
+    global _shared
+    _shared = (workload, calibration)
+
+
+def _simulate_shared(job: tuple[str, Deployment]) -> LegPrediction:
+    leg, deployment = job
+    return simulate(_shared[0], LEGS[leg], deployment, _shared[1])
+
+
+def simulate_many(workload: Workload, calibration: Calibration,
+                  jobs: list[tuple[str, Deployment]]) -> list[LegPrediction]:
+    """Each (leg name, deployment) simulated, in order; a large workload's on every core."""
+    cores = os.cpu_count() or 1
+    if len(jobs) < 2 or cores < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
+        return [simulate(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
+    with ProcessPoolExecutor(min(cores, len(jobs)), mp_context=multiprocessing.get_context("fork"),
+                             initializer=_share, initargs=(workload, calibration)) as pool:
+        return list(pool.map(_simulate_shared, jobs))
