@@ -52,3 +52,27 @@ def test_a_plan_binds_a_decode_lease_to_the_conversation_and_a_pin_to_the_reques
     assert plan({**lease, "do_remote_decode": True}, None).remote is None  # no conversation: nothing to read
     with pytest.raises(BadKVParams, match="remote_host"):
         plan({"do_remote_prefill": True}, "conv")
+
+
+def test_a_relayed_lease_record_is_trusted_only_whole_for_its_kind_holder_and_binding():
+    """The MAC a holder puts in `binding` covers every field of the record: change any, or present it for
+    another conversation, another holder or the other kind of lease, and the reader asks the holder instead."""
+    from kvturn.kv_transfer.params import RemoteRef
+    from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient
+    holder, reader = PeerClient("s" * 32, 1.0, []), PeerClient("s" * 32, 1.0, [])
+    record = {"handle": "h", "block_ids": [4, 5], "block_hashes": [11, 12], "block_epochs": [1, 1],
+              "num_tokens": 32, "expiry_time": 1.5e9, "first_token_id": 7}
+    bound = {**record, "binding": holder.binding(LEASE, "engine-d", "conv-a", record)}
+
+    def ref(relayed, engine="engine-d", key="conv-a"):
+        return RemoteRef(engine, "127.0.0.1", 8200, relayed["handle"], key, relayed)
+
+    assert reader.record_is_bound(ref(bound), LEASE)
+    assert not reader.record_is_bound(ref(bound), PIN)
+    assert not reader.record_is_bound(ref(bound, key="conv-b"), LEASE)
+    assert not reader.record_is_bound(ref(bound, engine="engine-other"), LEASE)
+    for field, value in [("block_ids", [4, 9]), ("block_epochs", [1, 2]), ("block_hashes", [11, 13]),
+                         ("num_tokens", 31), ("expiry_time", 1.6e9), ("first_token_id", 8), ("handle", "g")]:
+        assert not reader.record_is_bound(ref({**bound, field: value}), LEASE), field
+    assert not PeerClient("t" * 32, 1.0, []).record_is_bound(ref(bound), LEASE)  # another cluster's secret
+    assert not PeerClient(None, 1.0, []).record_is_bound(ref(bound), LEASE)  # no secret: never trusted relayed

@@ -73,15 +73,22 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        idle_polls = 0
         try:
             while not self._stop.is_set():
                 busy = engine.has_work()
                 engine.run_commands(0 if busy else 0.05)
                 if busy and not engine.step():
-                    # Nothing could run: poll pending reads often (every 0.1 ms costs little: a read is
-                    # mostly done when its post returns), otherwise (abandoned reads of a hung peer,
+                    # Nothing could run: poll pending reads often (a read is mostly done when its post returns:
+                    # 0.1 ms, backing off to 1 ms for a slow one), otherwise (abandoned reads of a hung peer,
                     # requests waiting for blocks) just wait for the next command.
-                    engine.run_commands(0.0001 if engine.waiting_on_reads else 0.05)
+                    if engine.waiting_on_reads:
+                        engine.run_commands(min(0.0001 * 2 ** min(idle_polls, 4), 0.001))
+                        idle_polls += 1
+                    else:
+                        engine.run_commands(0.05)
+                else:
+                    idle_polls = 0
         except BaseException as exc:  # a dead engine must fail requests, not hang them
             self.error = exc
             for queue in list(self._queues.values()):

@@ -6,6 +6,7 @@ peer answers until `parse_lease` has checked it: a peer's reply becomes a `Remot
 """
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 
@@ -27,10 +28,17 @@ def has_secret(request: Request, secret: str | None) -> bool:
     return secret is None or secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), secret)
 
 
-def lease_binding(secret: str, handle: str, binding_key: str) -> str:
-    """Ties a lease's handle to what it is bound to (a conversation, or P's request), under the cluster secret:
-    a peer handed the lease's record by the router can check the binding without asking the lease's holder."""
-    return hmac.new(secret.encode(), f"{handle}\0{binding_key}".encode(), hashlib.sha256).hexdigest()
+PIN, LEASE = "pin", "lease"  # P's pin of a prompt for one decode; D's lease of a finished turn
+RECORD_FIELDS = ("handle", "block_ids", "block_hashes", "block_epochs", "num_tokens", "expiry_time", "first_token_id")
+
+
+def lease_binding(secret: str, kind: str, engine_id: str, binding_key: str, record: dict) -> str:
+    """A MAC, under the cluster secret, of a lease's whole record as its holder made it, of the holder, of the
+    kind of lease and of what it is bound to (a conversation, or P's request): a peer handed the record by the
+    router can trust every field of it without asking the holder, and only for that binding."""
+    message = json.dumps([kind, engine_id, binding_key, *(record.get(f) for f in RECORD_FIELDS)],
+                         separators=(",", ":"))
+    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
 def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> list[int] | None:
@@ -93,15 +101,18 @@ class PeerClient:
         """A peer named by a caller of the cluster, or given at start-up; never one an outsider names."""
         return self.open_cluster or caller_has_secret or ref.address in self.trusted
 
-    def binding(self, handle: str, binding_key: str) -> str | None:
+    def binding(self, kind: str, engine_id: str, binding_key: str, record: dict) -> str | None:
         """What this worker's retention params carry in `binding` (nothing in a cluster without a secret)."""
-        return None if self.secret is None else lease_binding(self.secret, handle, binding_key)
+        return None if self.secret is None else lease_binding(self.secret, kind, engine_id, binding_key, record)
 
-    def record_is_bound(self, ref: RemoteRef) -> bool:
-        """Whether the lease record a caller relayed was made, under the cluster secret, for this very binding."""
+    def record_is_bound(self, ref: RemoteRef, kind: str) -> bool:
+        """Whether the lease record a caller relayed is, field for field, what the peer made under the cluster
+        secret, for this kind of lease and this very binding."""
         relayed = (ref.record or {}).get("binding")
-        expected = self.binding(ref.handle, ref.binding_key)
-        return isinstance(relayed, str) and expected is not None and hmac.compare_digest(relayed, expected)
+        if not isinstance(relayed, str) or ref.engine_id is None or ref.record is None:
+            return False
+        expected = self.binding(kind, ref.engine_id, ref.binding_key, ref.record)
+        return expected is not None and hmac.compare_digest(relayed, expected)
 
     async def agent_info(self, address: str, refresh: bool = False) -> dict:
         if refresh or address not in self.known:

@@ -10,17 +10,21 @@ across tokens), no logprobs or seeded sampling (D samples those itself), one cho
 one-token cap rather than finished, and a token whose text is complete UTF-8.
 """
 import json
-import logging
 from dataclasses import dataclass
 
-log = logging.getLogger("kvturn.router")
 REPLACEMENT_CHAR = "\ufffd"  # what a token that ends inside a UTF-8 sequence decodes to
 
 
-def may_send_ahead(body: dict) -> bool:
-    """Whether the request allows sending P's first token ahead (P's answer decides the rest)."""
+class FirstTokenMismatch(Exception):
+    """The decode worker's text does not begin with the token sent ahead: the stream cannot go on truthfully."""
+
+
+def may_send_ahead(body: dict, chat: bool) -> bool:
+    """Whether the request allows sending P's first token ahead (P's answer decides the rest). Logprobs are
+    off only when absent, or `false` in a chat request (a completions request's `logprobs: 0` asks for them)."""
+    logprobs = body.get("logprobs")
     return (body.get("stream") is True and not body.get("stop") and body.get("n") in (None, 1)
-            and body.get("logprobs") in (None, False) and body.get("top_logprobs") is None
+            and (logprobs is None or (chat and logprobs is False)) and body.get("top_logprobs") is None
             and body.get("seed") is None)
 
 
@@ -38,7 +42,7 @@ class FirstToken:
     @classmethod
     def from_prefill(cls, body: dict, prefill: dict, chat: bool) -> "FirstToken | None":
         """The first token P sampled, if the router may send it ahead of the decode worker."""
-        if not may_send_ahead(body):
+        if not may_send_ahead(body, chat):
             return None
         choices = prefill.get("choices")
         kv = prefill.get("kv_transfer_params")
@@ -77,7 +81,7 @@ class FirstToken:
                 cut = min(self.unmatched, len(text))
                 expected = self.text[len(self.text) - self.unmatched:][:cut]
                 if text[:cut] != expected:
-                    log.warning("the decode worker's text does not begin with the first token sent ahead")
+                    raise FirstTokenMismatch
                 holder[field], self.unmatched = text[cut:], self.unmatched - cut
             keep = keep or bool(holder.get(field) or choice.get("finish_reason") or choice.get("logprobs"))
         return keep

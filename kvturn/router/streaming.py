@@ -13,20 +13,21 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvturn.errors import error_body
-from kvturn.router.first_token import FirstToken
+from kvturn.router.first_token import FirstToken, FirstTokenMismatch
+from kvturn.router.vllm_backend import KVTURN
 from kvturn.router.workers import Claim, UpstreamError
 
 log = logging.getLogger("kvturn.router")
 
 
-def stream_error(content: bytes, status: int) -> str:
+def stream_error(content: bytes, status: int, message: str = "the decode worker failed mid-stream") -> str:
     """An upstream error as an event of a stream already under way: the worker's own error if it sent one."""
     try:
         error = json.loads(content)
     except ValueError:
         error = None
     if not isinstance(error, dict) or not isinstance(error.get("error"), dict):
-        error = error_body(status, "the decode worker failed mid-stream")
+        error = error_body(status, message)
     return f"data: {json.dumps(error)}\n\n"
 
 
@@ -34,8 +35,10 @@ class Streaming:
     async def stream_decode(self, d_body: dict) -> Response:
         router = self.router
         first = FirstToken.from_prefill(self.body, self.prefill, self.chat) if self.prefill else None
-        if first is not None:
-            return StreamingResponse(self.stream_after_first_token(first, d_body), media_type="text/event-stream")
+        decoders = router.decode.healthy()
+        if first is not None and decoders and all(w.backend == KVTURN for w in decoders):  # vLLM samples its own
+            events = self.stream_after_first_token(first, d_body)
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
         try:
             claim, response = await self.open_decode(d_body, stream=True)
         except UpstreamError as exc:
@@ -67,8 +70,14 @@ class Streaming:
             self.decode_refused(content, response.status_code)
             yield stream_error(content, response.status_code)
             return
-        async for event in self.relay(claim, response, first):
-            yield event
+        relay = self.relay(claim, response, first)
+        try:
+            async for event in relay:
+                yield event
+        finally:  # also when the client left: the response's background task closes this generator
+            await relay.aclose()
+            claim.release()
+            await response.aclose()
 
     async def close_stream(self, claim: Claim, response: httpx.Response) -> None:
         """Runs after the response, even when the client left before the relay began."""
@@ -96,12 +105,12 @@ class Streaming:
                                   else choice.get("text") or "")
                 now = time.perf_counter()
                 if answer and answer[-1]:
+                    claim.work_done()  # D has computed the prompt (a chat stream's first chunk only names the role)
                     if self.first_token_at is None:
                         self.first_token_at = now
                     elif last_token_at is not None:
                         claim.worker.token_gaps_ms.append((now - last_token_at) * 1e3)
                     last_token_at = now
-                claim.work_done()
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
                 if first is not None and not first.trim(chunk):
@@ -112,6 +121,10 @@ class Streaming:
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
             yield stream_error(b"", 503)
+        except FirstTokenMismatch:
+            log.error("decode worker %s did not continue from the first token sent ahead; ending the stream",
+                      worker_url)
+            yield stream_error(b"", 500, "the decode worker's answer does not continue the first token sent")
         finally:
             claim.release()
             if not finished:

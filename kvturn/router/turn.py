@@ -85,7 +85,7 @@ class Turn(Streaming):
         prefill = router.prefill.least_loaded()
         return paths.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                               prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
-                              decode_backlog, may_send_ahead(self.body), step_ms)
+                              decode_backlog, may_send_ahead(self.body, self.chat), step_ms)
 
     def estimated_prompt_tokens(self) -> int:
         prompt = self.body.get("prompt")

@@ -21,7 +21,7 @@ from kvturn.kv_transfer import params as kv_params
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
 from kvturn.kv_transfer.nixl_agent import LayoutMismatch
-from kvturn.kv_transfer.side_channel import PeerClient, parse_lease
+from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient, parse_lease
 from kvturn.model.loader import load_model
 from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.server.metrics import WorkerMetrics
@@ -48,6 +48,7 @@ class Worker:
         self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
                                 connector_config.trusted_peers, f"{self.advertise_host}:{config.port}")
         self._background: set[asyncio.Task] = set()
+        self._connecting: set[str] = set()  # peers connect_back is connecting to
         if connector_config.cluster_secret is None:
             log.warning("no cluster secret: this worker trusts any caller that can reach it with kv_transfer_params "
                         "and its side channel, as vLLM's servers trust their network. Set KVTURN_CLUSTER_SECRET "
@@ -109,8 +110,9 @@ class Worker:
     def connect_back(self, address: str) -> None:
         """A peer of the cluster fetched our agent info to read from us: connect to it too, in the background,
         so that our first read from it (the first turn that reuses its KV) does not pay the NIXL handshake."""
-        if self.connector is None or address in self.peers.known:
+        if self.connector is None or address in self.peers.known or address in self._connecting:
             return
+        self._connecting.add(address)
 
         async def connect():
             try:
@@ -118,6 +120,8 @@ class Worker:
                 await self.async_engine.call(lambda: self.connector.nixl.add_peer(info))
             except Exception as exc:  # an optimisation only: the first read connects if this did not
                 log.info("could not connect back to peer %s: %r", address, exc)
+            finally:
+                self._connecting.discard(address)
 
         task = asyncio.get_running_loop().create_task(connect())
         self._background.add(task)
@@ -150,7 +154,7 @@ class Worker:
         except Exception:
             log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
             return policy.PEER_UNREACHABLE
-        if vouched and self.peers.record_is_bound(ref):
+        if vouched and self.peers.record_is_bound(ref, PIN if prefilled_for_us else LEASE):
             # The peer's own account of its lease (P's pin for this request, or D's lease from the last turn),
             # relayed by a caller holding the cluster secret: no round trip to the peer before the read. What the
             # peer's answer would add is checked here: its MAC binds the lease to this conversation (or request),
@@ -208,7 +212,7 @@ class Worker:
                 else:
                     remote = resolved
         seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
-        seq.first_token_id = self.prefill_first_token(plan, remote, params)
+        seq.first_token_id = self.prefill_first_token(plan, remote, params, caller_has_secret)
         seq.timing.arrival = arrival
         seq.timing.tokenize_s = tokenized - arrival
         seq.timing.side_channel_s = side_channel_s
@@ -218,14 +222,18 @@ class Worker:
                 self.engine.call_soon(lambda: connector.stats.reuse_declines.update([declined]))
         return seq, plan
 
-    def prefill_first_token(self, plan: kv_params.KVPlan, remote: RemoteBlocks | None,
-                            params: SamplingParams) -> int | None:
+    def prefill_first_token(self, plan: kv_params.KVPlan, remote: RemoteBlocks | None, params: SamplingParams,
+                            caller_has_secret: bool) -> int | None:
         """The token P sampled after the prompt, which a decode worker continues from instead of sampling its
-        own, whether or not it can use P's blocks: the router may have sent that token to the client already."""
+        own, whether or not it can use P's blocks: the router may have sent that token to the client already.
+        Taken from P's own record, or, when P could not be asked, from the one relayed by a caller of the cluster
+        (anyone else would choose the answer's first token)."""
         if plan.remote is None or plan.prefill_for_remote_decode or params.must_sample_here:
             return None
         if remote is not None:
             return remote.first_token_id
+        if not caller_has_secret:
+            return None
         token = (plan.remote.record or {}).get("first_token_id")
         valid = isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size
         return token if valid else None
@@ -233,7 +241,8 @@ class Worker:
     def response_kv_params(self, seq: Sequence) -> dict | None:
         if seq.retained is None:
             return None
-        binding = self.peers.binding(seq.retained["handle"], seq.retain.conversation_key)
+        kind = PIN if seq.retain.release_after_read else LEASE
+        binding = self.peers.binding(kind, self.engine_id, seq.retain.conversation_key, seq.retained)
         return kv_params.retention_params(seq.retained, self.engine_id, seq.request_id, self.advertise_host,
                                           self.config.port, for_decode=seq.retain.release_after_read, binding=binding)
 
@@ -268,6 +277,14 @@ class Worker:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def forget_peer(self, engine_id: str) -> None:
+        """A read from the peer failed: it may have died or restarted. Ask it afresh next time (a relayed record
+        names the old engine, which the cached agent info would still match) rather than post reads to a ghost."""
+        for address, info in list(self.peers.known.items()):
+            if info.get("engine_id") == engine_id:
+                del self.peers.known[address]
+        self.engine.call_soon(lambda: self.connector.nixl.forget_peer(engine_id))
+
     def release_pin_once(self, plan: kv_params.KVPlan, released: list[bool]) -> None:
         """D tells P it no longer needs P's pinned prompt blocks (after the read, or when giving up)."""
         if plan.remote is not None and not plan.prefill_for_remote_decode and not released[0]:
@@ -275,6 +292,8 @@ class Worker:
             asyncio.get_running_loop().create_task(self.peers.release(plan.remote))
 
     def observe(self, seq: Sequence) -> None:
+        if seq.remote is not None and seq.reuse_outcome in (policy.READ_FAILED, policy.PEER_UNREACHABLE):
+            self.forget_peer(seq.remote.peer_engine_id)
         t = seq.timing
         if t.first_token:
             self.metrics.ttft.observe(t.first_token - t.arrival)
