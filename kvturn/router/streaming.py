@@ -2,7 +2,7 @@
 to the client as it comes, with the lease D returns at the end remembered for the next turn.
 
 `Streaming` is a part of `turn.Turn` (and of the vLLM turn, which overrides the relay); it uses the turn's
-state (body, router, claims) and its `open_decode`, `remember`, `merged_kvturn` and `decode_refused`.
+state (body, router, claims) and its `open_decode`, `remember` and `merged_kvturn`.
 """
 import json
 import logging
@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 from kvturn.errors import error_body
 from kvturn.router.first_token import FirstToken, FirstTokenMismatch
 from kvturn.router.vllm_backend import KVTURN
-from kvturn.router.workers import Claim, UpstreamError
+from kvturn.router.workers import Claim
 
 log = logging.getLogger("kvturn.router")
 
@@ -39,16 +39,10 @@ class Streaming:
         if first is not None and decoders and all(w.backend == KVTURN for w in decoders):  # vLLM samples its own
             events = self.stream_after_first_token(first, d_body)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
-        try:
-            claim, response = await self.open_decode(d_body, stream=True)
-        except UpstreamError as exc:
-            router.metrics.requests.labels("decode_error").inc()
-            return exc.response
-        if response.status_code != 200:
-            claim.release()
-            content = await response.aread()
-            await response.aclose()
-            return self.decode_refused(content, response.status_code)
+        opened = await self.open_decode(d_body, stream=True)
+        if isinstance(opened, Response):
+            return opened
+        claim, response = opened
         return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
                                  background=BackgroundTask(self.close_stream, claim, response))
 
@@ -57,19 +51,11 @@ class Streaming:
         decode worker that cannot be reached or refuses shows as an error event in the stream."""
         yield first.events()
         self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
-        try:
-            claim, response = await self.open_decode(d_body, stream=True)
-        except UpstreamError as exc:
-            self.router.metrics.requests.labels("decode_error").inc()
-            yield stream_error(exc.response.body, exc.response.status_code)
+        opened = await self.open_decode(d_body, stream=True)
+        if isinstance(opened, Response):
+            yield stream_error(opened.body, opened.status_code)
             return
-        if response.status_code != 200:
-            claim.release()
-            content = await response.aread()
-            await response.aclose()
-            self.decode_refused(content, response.status_code)
-            yield stream_error(content, response.status_code)
-            return
+        claim, response = opened
         relay = self.relay(claim, response, first)
         try:
             async for event in relay:
@@ -126,9 +112,14 @@ class Streaming:
                       worker_url)
             yield stream_error(b"", 500, "the decode worker's answer does not continue the first token sent")
         finally:
-            claim.release()
-            if not finished:
-                if self.key:
-                    await router.table.drop(self.key)
-                router.metrics.requests.labels("decode_error").inc()
-            await response.aclose()
+            await self.end_relay(claim, response, finished)
+
+    async def end_relay(self, claim: Claim, response: httpx.Response, finished: bool) -> None:
+        """A relay ended, whichever way: D's load released, and a stream cut short counted as a decode error
+        with the conversation's entry dropped (D retained nothing for the next turn)."""
+        claim.release()
+        if not finished:
+            if self.key:
+                await self.router.table.drop(self.key)
+            self.router.metrics.requests.labels("decode_error").inc()
+        await response.aclose()

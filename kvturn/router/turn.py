@@ -170,14 +170,17 @@ class Turn(Streaming):
                 return holder
         return router.decode.least_loaded(exclude)
 
-    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response]:
-        """Send the turn to a decode worker (another one if the first cannot be reached)."""
+    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response] | Response:
+        """Send the turn to a decode worker (another one if the first cannot be reached). Returns its claim and
+        its 200 answer, or the error to pass on, counted, with the worker's load released: no worker left, or the
+        worker's own refusal (see decode_refused)."""
         router = self.router
         tried: set[str] = set()
         while True:
             worker = self.pick_decode(tried)
             if worker is None:
-                raise UpstreamError(error_response(503, "no decode worker is available"))
+                router.metrics.requests.labels("decode_error").inc()
+                return error_response(503, "no decode worker is available")
             on_decode = self.choice is not None and self.choice.path == paths.COMPUTE_ON_DECODE
             claim = router.decode.claim(worker, self.choice.work_ms if on_decode else 0.0)
             try:
@@ -191,7 +194,12 @@ class Turn(Streaming):
             except BaseException:  # cancelled: the client left while the stream was opening D
                 claim.release()
                 raise
-            return claim, response
+            if response.status_code == 200:
+                return claim, response
+            claim.release()
+            content = await response.aread()
+            await response.aclose()
+            return self.decode_refused(content, response.status_code)
 
     def decode_request(self, worker: WorkerState, d_body: dict) -> httpx.Request:
         return self.router.http.build_request("POST", worker.url + self.path, json=d_body)
@@ -254,14 +262,11 @@ class Turn(Streaming):
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
-        try:
-            claim, response = await self.open_decode(d_body, stream=False)
-        except UpstreamError as exc:
-            router.metrics.requests.labels("decode_error").inc()
-            return exc.response
+        opened = await self.open_decode(d_body, stream=False)
+        if isinstance(opened, Response):
+            return opened
+        claim, response = opened
         claim.release()
-        if response.status_code != 200:
-            return self.decode_refused(response.content, response.status_code)
         result = response.json()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]

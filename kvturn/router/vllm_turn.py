@@ -222,14 +222,11 @@ class VLLMTurn(Turn):
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
-        try:
-            claim, response = await self.open_decode(d_body, stream=False)
-        except UpstreamError as exc:
-            router.metrics.requests.labels("decode_error").inc()
-            return exc.response
+        opened = await self.open_decode(d_body, stream=False)
+        if isinstance(opened, Response):
+            return opened
+        claim, response = opened
         claim.release()
-        if response.status_code != 200:
-            return self.decode_refused(response.content, response.status_code)
         text = response.content.decode()
         rest, echoed = cut_int_list(text, "prompt_token_ids")
         result = loads(text if self.wants_ids else rest)
@@ -251,18 +248,10 @@ class VLLMTurn(Turn):
         return reply
 
     async def stream_decode(self, d_body: dict) -> Response:
-        router = self.router
-        try:
-            claim, response = await self.open_decode(d_body, stream=True)
-        except UpstreamError as exc:
-            router.metrics.requests.labels("decode_error").inc()
-            return exc.response
-        if response.status_code != 200:
-            claim.release()
-            self.work.pause()
-            content = await response.aread()
-            await response.aclose()
-            return self.decode_refused(content, response.status_code)
+        opened = await self.open_decode(d_body, stream=True)
+        if isinstance(opened, Response):
+            return opened
+        claim, response = opened
         self.work.pause()  # until decode's first line: Starlette starts the response meanwhile
         return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
                                  background=BackgroundTask(self.close_stream, claim, response))
@@ -316,12 +305,7 @@ class VLLMTurn(Turn):
             yield b"data: %s\n\n" % dumps(error_body(503, "the decode worker failed mid-stream"))
         finally:
             self.work.pause()
-            claim.release()
-            if not finished:
-                if self.key:
-                    await router.table.drop(self.key)
-                router.metrics.requests.labels("decode_error").inc()
-            await response.aclose()
+            await self.end_relay(claim, response, finished)
 
     async def after_stream(self, decode_url: str, kv: dict | None, prompt_ids: str | None,
                            output_ids: list[int], finish_reason: str | None, answer: str) -> None:
