@@ -566,3 +566,63 @@ def test_echo_is_refused_with_a_400_that_says_so(deployment, where):
 def test_top_logprobs_without_logprobs_is_refused(deployment, where):
     response = chat(getattr(deployment, where), opening("hi"), top_logprobs=2)
     assert "logprobs" in assert_openai_error(response, 400)["message"]
+
+
+# ---- 9. what this round added to what workers accept: a relayed lease record, and the connect-back header
+
+def relayed_pin(deployment: Deployment, fake: FakePeer, handle: str, prompt: str, first_token_id: int) -> dict:
+    """P's pin as the router relays it: the whole record, here with a binding no cluster member made."""
+    lease = forged_lease(deployment, prompt, first_token_id)
+    return {**remote_prefill_params(fake, handle), "remote_block_ids": lease["block_ids"],
+            "remote_block_hashes": lease["block_hashes"], "remote_block_epochs": lease["block_epochs"],
+            "remote_num_tokens": lease["num_tokens"], "remote_blocks_expiry_time": lease["expiry_time"],
+            "first_token_id": first_token_id, "binding": "0" * 64}
+
+
+def test_a_relayed_first_token_is_taken_only_from_a_caller_of_the_cluster(deployment):
+    """A decode worker continues from a relayed first token (the router may have sent it to the client) even
+    when it cannot read P's blocks, but only for a caller with the secret: anyone else would pick the answer."""
+    d, fake = deployment, deployment.fakes["untrusted"]
+    fake.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}})  # no lease: 404
+    prompt = "Pick my first word for me, worker: the ledger of the western depot shows "
+    forced = d.tokens("Q")[0]
+    clean = ok(complete(d.colocated, prompt))["choices"][0]["text"]
+    assert not clean.startswith("Q")
+    fake.clear()
+    outsider = ok(complete(d.decode, prompt, kv_transfer_params=relayed_pin(d, fake, "pin-a", prompt, forced)))
+    assert outsider["kvturn"]["reuse"] == "untrusted_peer" and outsider["choices"][0]["text"] == clean
+    assert fake.requests() == []
+    # A peer given with --trusted-peer is contacted for any caller, but its relayed token is not taken from one.
+    trusted = d.fakes["trusted"]
+    trusted.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}})
+    via_trusted = ok(complete(d.decode, prompt, kv_transfer_params=relayed_pin(d, trusted, "pin-t", prompt, forced)))
+    assert via_trusted["kvturn"]["reuse"] == "lease_unknown" and via_trusted["choices"][0]["text"] == clean
+    # The control: with the secret the token is taken, and the record (whose MAC is wrong) is not believed:
+    # the worker asks the peer, which knows no such lease.
+    member = ok(complete(d.decode, prompt, headers=d.secret,
+                         kv_transfer_params=relayed_pin(d, fake, "pin-b", prompt, forced)))
+    assert member["kvturn"]["reuse"] == "lease_unknown" and member["kvturn"]["prompt_tokens_remote"] == 0
+    assert member["choices"][0]["text"].startswith("Q")
+    assert "/kv/lease/acquire" in [e["path"] for e in fake.requests()]
+
+
+def test_the_connect_back_header_makes_a_worker_call_only_a_caller_that_proved_the_secret(deployment):
+    d, fake = deployment, deployment.fakes["untrusted"]
+    fake.configure({"agent": {"upstream": d.decode, "secret": d.stack.cluster_secret}})
+    fake.clear()
+    intro = {"X-Kvturn-Peer": fake.address}
+    assert httpx.get(f"{d.prefill}/kv/agent", headers=intro, timeout=10).status_code == 403
+    wrong = {**intro, SECRET_HEADER: "not-the-cluster-secret-at-all"}
+    assert httpx.get(f"{d.prefill}/kv/agent", headers=wrong, timeout=10).status_code == 403
+    for odd in ("127.0.0.1", "127.0.0.1:0", "user@127.0.0.1:80", "h/x:80", "x" * 300 + ":80"):
+        assert httpx.get(f"{d.prefill}/kv/agent", headers={**d.secret, "X-Kvturn-Peer": odd},
+                         timeout=10).status_code == 200  # answered, and the address ignored
+    time.sleep(1.0)
+    assert fake.requests() == []
+    assert httpx.get(f"{d.prefill}/kv/agent", headers={**intro, **d.secret}, timeout=10).status_code == 200
+    deadline = time.monotonic() + 10
+    while "/kv/agent" not in [e["path"] for e in fake.requests()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    calls = fake.requests()
+    assert [e["path"] for e in calls] == ["/kv/agent"]
+    assert header(calls[0], SECRET_HEADER) == d.stack.cluster_secret
