@@ -78,6 +78,16 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_de
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 
 
+def test_a_worker_slower_than_predicted_still_owes_all_the_work_it_has_not_begun():
+    from kvturn.router.workers import WorkerPool
+    worker = WorkerPool(["http://p"], "prefill").workers[0]
+    first, _ = WorkerPool.claim(worker, 300.0), WorkerPool.claim(worker, 200.0)
+    came = min(t for _, t in worker.pending.values())
+    assert worker.backlog_ms(came + 1.0) == 0.0  # a second on: by the prediction, both are done
+    first.work_done()  # but the first took that second: the other has not begun
+    assert worker.backlog_ms(worker.last_done) == pytest.approx(200.0)
+
+
 def test_work_queued_on_the_prefill_worker_makes_the_turn_compute_on_decode():
     idle = choose(CostModel(), TurnView(6400, 6000, 4, True, 0, 0.0), "adaptive", 0.5)
     queued = choose(CostModel(), TurnView(6400, 6000, 4, True, 3, 2000.0), "adaptive", 0.5)
@@ -116,7 +126,35 @@ def test_a_workers_backlog_is_the_predicted_work_it_holds_less_what_it_did_since
     came = min(t for _, t in worker.pending.values())
     assert worker.backlog_ms(came + 0.1) == pytest.approx(400.0, abs=1.0)
     first.work_done()  # its prompt is done; it still holds the worker (decoding)
-    assert worker.in_flight == 2 and worker.backlog_ms(came + 0.1) == pytest.approx(100.0, abs=1.0)
+    assert worker.in_flight == 2 and worker.backlog_ms(worker.last_done + 0.05) == pytest.approx(150.0, abs=1.0)
     second.release()
     first.release()
     assert worker.in_flight == 0 and worker.backlog_ms() == 0.0
+
+
+def test_the_new_tokens_of_a_turn_are_estimated_from_the_bytes_added_since_its_lease():
+    model = CostModel()
+    for _ in range(8):  # turns of an average text: 0.3 tokens a byte, in the whole prompt and in what a turn adds
+        model.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
+    # A conversation whose text makes 0.2 tokens a byte: its 30,000-byte history holds 6,000 tokens; 1,000 bytes added.
+    whole = model.prompt_tokens(31_000)
+    anchored = model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
+    assert anchored == 6_300
+    assert whole - 6_000 > 10 * (anchored - 6_000)  # from the whole prompt, the 300 new tokens would seem 3,300
+    assert model.prompt_tokens(29_000, known_bytes=30_000, known_tokens=6_000) == whole - 600  # history edited
+
+
+def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
+    model = CostModel()
+    alone = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,
+             "timing": {"prefill_compute_ms": 120.0, "prefill_shared_tokens": 7}}  # seven decodes beside it
+    batched = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,
+               "timing": {"prefill_compute_ms": 900.0, "prefill_shared_tokens": 4000}}  # a first turn beside it
+    assert not paths.shared_steps(alone) and paths.shared_steps(batched)
+    model.observe_prefill("decode", batched)
+    assert model.prefill["decode"].samples == 0
+    choice = choose(model, view(), "adaptive", 0.5)
+    model.observe_turn(choice, actual_ms=10 * choice.predicted_ms[choice.path], explained_ms=900.0, shared=True)
+    assert model.correction[choice.path].value == 1.0
+    model.observe_prefill("decode", alone)
+    assert model.prefill["decode"].samples == 1

@@ -138,9 +138,11 @@ class LLMEngine:
                 seq.timing.first_scheduled = started
         sampled = self.runner.run(batch)
         elapsed = time.perf_counter() - started
+        prompt_tokens = sum(num_new for seq, num_new in batch if seq.num_output_tokens == 0)
         for seq, num_new in batch:
             if seq.num_output_tokens == 0:
                 seq.timing.prefill_compute_s += elapsed
+                seq.timing.prefill_shared_tokens += prompt_tokens - num_new
             seq.num_computed_tokens += num_new
             self.publish_full_blocks(seq)
         for seq, (token_id, logprob) in sampled.items():

@@ -26,6 +26,7 @@ class Timing:
     submitted: float | None = None
     kv_read_s: float = 0.0
     prefill_compute_s: float = 0.0
+    prefill_shared_tokens: int = 0  # other prompts' tokens computed in the steps of its prefill (they share the time)
     kv_read_bytes: int = 0
 
 

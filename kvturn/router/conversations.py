@@ -21,6 +21,9 @@ class Conversation:
     expires_at: float  # wall clock
     order: int = 0  # how far the conversation had come (messages in the history); a store keeps the newest
     prompt_token_ids: str | None = None  # for a vLLM backend: the ids whose KV the decode worker retained, "1,2,3"
+    # Bytes of the history's messages up to the answer, whose KV the lease holds: the next turn's prompt estimate
+    # counts only the bytes added since (paths.CostModel.prompt_tokens).
+    history_bytes: int = 0
 
 
 class ConversationTable:
@@ -47,7 +50,7 @@ class ConversationTable:
         for key, url, params, expires, extra in rows:
             extra = json.loads(extra or "{}")
             self._entries[key] = Conversation(key, url, json.loads(params), expires, extra.get("order", 0),
-                                              extra.get("prompt_token_ids"))
+                                              extra.get("prompt_token_ids"), extra.get("history_bytes", 0))
         for digest, key, expires in self._db.execute("SELECT hash, key, expires_at FROM history ORDER BY expires_at"):
             self._history[digest] = (key, expires)
 
@@ -69,7 +72,8 @@ class ConversationTable:
         self._entries.pop(entry.key, None)
         self._entries[entry.key] = entry
         if self._db:
-            extra = json.dumps({"order": entry.order, "prompt_token_ids": entry.prompt_token_ids})
+            extra = json.dumps({"order": entry.order, "prompt_token_ids": entry.prompt_token_ids,
+                                "history_bytes": entry.history_bytes})
             self._db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?)",
                              (entry.key, entry.decode_url, json.dumps(entry.kv_params), entry.expires_at, extra))
         while len(self._entries) > self.max_entries:

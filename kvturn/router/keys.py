@@ -68,6 +68,11 @@ def _message_bytes(message) -> bytes:
     return json.dumps(pair, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
 
 
+def message_size(message: dict) -> int:
+    """A message's share of `History.size`."""
+    return len(_message_bytes(message))
+
+
 class History:
     """Digests of a chat history: `digests[i]` names `messages[:i + 1]`. Each chains on the one before, so all of
     them cost one pass over the messages (linear in the history's size, not quadratic)."""

@@ -16,22 +16,33 @@ POLICIES = ("adaptive", "pull", "recompute", "compute_on_decode")
 MIN_SAMPLES = 4
 EXPLORE_EVERY = 16  # adaptive: a path not taken for this many turns is taken once, to re-measure it...
 EXPLORE_WITHIN = 1.5  # ...if its predicted cost is at most this many times the best path's
+FORGET = 0.97  # a compute fit weighs its earlier samples down by this at each new one (~30 recent samples count)
+SHARED_FRACTION = 0.1  # a prefill whose steps computed more than this share of other prompts' tokens was batched
+
+
+def shared_steps(report: dict) -> bool:
+    """Whether a worker's prefill shared its engine steps with other prompts (a batch): its time then tells
+    more about the others than about itself, so neither the compute fit nor the correction learns from it."""
+    timing = report.get("timing") or {}
+    own = report.get("prompt_tokens_computed") or 0
+    return (timing.get("prefill_shared_tokens") or 0) > SHARED_FRACTION * own + 16
 
 
 class ComputeFit:
     """ms to compute `n` new tokens after `context` cached ones: a + b*n + k*n*(context + n/2), the last term
-    for attention, which grows with the tokens attended to. A least-squares fit over the recent samples,
-    pulled towards the prior (ridge) so that a few samples of one shape cannot make it extrapolate wildly."""
+    for attention, which grows with the tokens attended to. A least-squares fit that weighs recent samples most
+    (a worker's speed changes with what shares its cores), pulled towards the prior (ridge) so that a few
+    samples of one shape cannot make it extrapolate wildly."""
     SCALE = np.array([1.0, 1e3, 1e4])  # typical size of each feature, so the pull is alike for all three
-    RIDGE = 1.0
+    RIDGE = 0.03  # weak: the samples of one run span too few shapes to outvote a stronger pull to the prior
 
-    def __init__(self, prior: tuple[float, float, float], window: int = 256):
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+    def __init__(self, prior: tuple[float, float, float]):
+        self.samples = 0
         self.prior = np.array(prior, dtype=float)
         self.coefficients = self.prior.copy()
         self._stale = False
-        # The normal equations over the window, kept as samples come and go: a turn's choice solves a 3x3
-        # system instead of refitting every sample (which cost the router ~1 ms a turn at 256 samples).
+        # The normal equations, decayed by FORGET at each sample: a turn's choice solves a 3x3 system instead of
+        # refitting every sample (which cost the router ~1 ms a turn at 256 samples).
         self._gram = np.zeros((3, 3))
         self._moment = np.zeros(3)
 
@@ -41,20 +52,15 @@ class ComputeFit:
 
     def add(self, new_tokens: int, context: int, ms: float) -> None:
         if new_tokens > 0 and ms > 0:
-            if len(self.samples) == self.samples.maxlen:
-                self._accumulate(*self.samples[0], sign=-1.0)
-            self.samples.append((new_tokens, context, ms))
-            self._accumulate(new_tokens, context, ms, sign=1.0)
+            x = self._features(new_tokens, context) / self.SCALE
+            self._gram = FORGET * self._gram + np.outer(x, x)
+            self._moment = FORGET * self._moment + ms * x
+            self.samples += 1
             self._stale = True
-
-    def _accumulate(self, new_tokens: int, context: int, ms: float, sign: float) -> None:
-        x = self._features(new_tokens, context) / self.SCALE
-        self._gram += sign * np.outer(x, x)
-        self._moment += sign * ms * x
 
     @property
     def calibrated(self) -> bool:
-        return len(self.samples) >= MIN_SAMPLES
+        return self.samples >= MIN_SAMPLES
 
     def predict(self, new_tokens: int, context: int) -> float:
         if self._stale:
@@ -98,26 +104,32 @@ class Mean:
 class CostModel:
     def __init__(self):
         # Priors: a small model on a CPU core; replaced by measurements after a few turns.
-        self.prefill = {"prefill": ComputeFit((5.0, 0.25, 0.02)), "decode": ComputeFit((5.0, 0.25, 0.02))}
+        self.prefill = {"prefill": ComputeFit((5.0, 0.12, 0.01)), "decode": ComputeFit((5.0, 0.12, 0.01))}
         self.read_ms_per_mib = Mean(0.5)
         self.bytes_per_token = Mean(4096.0)
         self.other_ms = {path: Typical(15.0 if path != COMPUTE_ON_DECODE else 5.0) for path in PATHS}
         self.tokens_per_char = Mean(0.3)
+        # Tokens a byte of the messages added since the conversation's last turn makes: what the new turn computes
+        # is a small difference of large counts, so it is estimated from the added bytes alone (see prompt_tokens).
+        self.added_tokens_per_byte = Mean(0.3)
         self.prefill_request_ms = Typical(100.0)  # a prefill worker's round trip: what each queued request adds
-        # measured / modelled time of each path: queues and contention the terms above do not see
-        self.correction = {path: Typical(1.0) for path in PATHS}
+        # Measured / modelled compute and transfer of each path's recent turns: what the fits, smooth over all
+        # shapes of turn, miss for this path's own (contention on shared cores, for one).
+        self.correction = {path: Typical(1.0, deque(maxlen=16)) for path in PATHS}
         self.turns_since_chosen = {path: 0 for path in PATHS}  # adaptive explores what it has not measured lately
 
-    def observe_turn(self, choice: "PathChoice", actual_ms: float, explained_ms: float) -> None:
-        """Learn from a finished turn's time to first token, of which `explained_ms` was compute and transfer:
-        the time outside them, and how far the path's own time (the queue ahead of it aside) was from its model.
-        The queue is the model's own estimate; what it misses shows in both."""
+    def observe_turn(self, choice: "PathChoice", actual_ms: float, explained_ms: float, shared: bool = False) -> None:
+        """Learn from a finished turn's time to first token, of which `explained_ms` was compute and transfer
+        (as the workers measured them): the time outside them and the queue (the model's own estimate of it, so
+        that what the queue model misses shows there), and how far the measured compute and transfer were from
+        their model. Each term learns its own part only, so that one error is not learned twice. A turn whose
+        prefill was batched with other prompts (`shared`) teaches neither: its time is the batch's."""
         estimate = choice.estimate
-        if actual_ms <= 0:
+        if actual_ms <= 0 or shared:
             return
         self.other_ms[choice.path].add(max(actual_ms - explained_ms - estimate.queue_ms, 0.0))
-        if estimate.service_ms > 0:
-            ratio = max(actual_ms - estimate.queue_ms, 0.0) / estimate.service_ms
+        if estimate.explained_ms > 0 and explained_ms > 0:
+            ratio = explained_ms / estimate.explained_ms
             self.correction[choice.path].add(min(max(ratio, 0.25), 4.0))
 
     def chosen(self, path: str) -> None:
@@ -130,6 +142,22 @@ class CostModel:
             fit = self.prefill["prefill"]  # the same model on the same kind of machine, until D has its own
         return fit.predict(new_tokens, context)
 
+    def prompt_tokens(self, prompt_bytes: int, known_bytes: int = 0, known_tokens: int = 0) -> int:
+        """The prompt's tokens, estimated from the bytes of its messages. `known_bytes` of them (the history up to
+        the last answer) are known to make `known_tokens` (the decode worker's count): only the rest is estimated,
+        so that a conversation whose text tokenizes unlike the average does not misjudge its new tokens."""
+        if known_tokens and prompt_bytes >= known_bytes:
+            return known_tokens + round((prompt_bytes - known_bytes) * self.added_tokens_per_byte.value)
+        return round(prompt_bytes * self.tokens_per_char.value)
+
+    def observe_prompt(self, prompt_bytes: int, prompt_tokens: int, known_bytes: int = 0,
+                       known_tokens: int = 0) -> None:
+        """Learn from a turn's real prompt tokens (the decode worker's count) what its bytes make."""
+        if prompt_bytes and prompt_tokens:
+            self.tokens_per_char.add(prompt_tokens / prompt_bytes)
+        if known_tokens and prompt_bytes > known_bytes and prompt_tokens >= known_tokens:
+            self.added_tokens_per_byte.add((prompt_tokens - known_tokens) / (prompt_bytes - known_bytes))
+
     def read_ms(self, tokens: int) -> float:
         return tokens * self.bytes_per_token.value / 2**20 * self.read_ms_per_mib.value
 
@@ -138,7 +166,8 @@ class CostModel:
         computed = report.get("prompt_tokens_computed") or 0
         context = (report.get("prompt_tokens_cached") or 0) + (report.get("prompt_tokens_remote") or 0)
         timing = report.get("timing") or {}
-        self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
+        if not shared_steps(report):
+            self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
         read_bytes, read_ms = report.get("kv_read_bytes") or 0, timing.get("kv_read_ms") or 0.0
         if read_bytes >= 2**20 and read_ms > 0:
             self.read_ms_per_mib.add(read_ms / (read_bytes / 2**20))
@@ -166,9 +195,18 @@ class TurnView:
 @dataclass(frozen=True, slots=True)
 class Estimate:
     queue_ms: float  # work queued ahead of the turn on its worker
-    service_ms: float  # the turn's own time to first token once its worker takes it up, as modelled
+    explained_ms: float  # the turn's compute and transfer in its time to first token, as modelled
+    other_ms: float  # the rest of its time to first token once its worker takes it up: hops, bookkeeping
     stall_ms: float  # what the path makes the decode worker's running requests wait, summed
     work_ms: float  # the compute and transfer this turn adds to its worker's queue
+
+    @property
+    def service_ms(self) -> float:
+        """The turn's own time to first token once its worker takes it up, as modelled."""
+        return self.explained_ms + self.other_ms
+
+    def predicted_ms(self, correction: float) -> float:
+        return self.queue_ms + self.explained_ms * correction + self.other_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,18 +230,18 @@ def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
         queue = turn.prefill_in_flight * model.prefill_request_ms.value
     handoff = 0.0 if turn.first_token_ahead else model.read_ms(new)  # D reads the new blocks before its token
     full = model.compute_ms("prefill", turn.prompt_tokens, 0)
-    out = {RECOMPUTE: Estimate(queue, full + handoff + model.other_ms[RECOMPUTE].value, 0.0, full)}
+    out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full)}
     if turn.retained_tokens > 0:
         pull = model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
-        out[PULL] = Estimate(queue, pull + handoff + model.other_ms[PULL].value, 0.0, pull)
+        out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull)
     if turn.retained_tokens > 0 and turn.decode_available:
         # D's measured compute of a prompt includes the decodes it shares its step with; before that step the
         # turn waits for the one under way, half a step on average.
         on_decode = model.compute_ms("decode", new, turn.retained_tokens)
         step_wait = turn.decode_step_ms / 2 if turn.decode_running else 0.0
-        out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + step_wait,
-                                          on_decode + model.other_ms[COMPUTE_ON_DECODE].value,
-                                          on_decode * turn.decode_running, on_decode)
+        out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + step_wait, on_decode,
+                                          model.other_ms[COMPUTE_ON_DECODE].value, on_decode * turn.decode_running,
+                                          on_decode)
     return out
 
 
@@ -212,7 +250,7 @@ def choose(model: CostModel, turn: TurnView, policy: str, stall_weight: float) -
     a fixed policy takes its own path whenever it is possible. Adaptive also takes, once in a while, a path it
     has not taken lately when that path is predicted not far off, so its measurements of it stay current."""
     modelled = predict(model, turn)
-    predicted = {path: e.queue_ms + e.service_ms * model.correction[path].value for path, e in modelled.items()}
+    predicted = {path: e.predicted_ms(model.correction[path].value) for path, e in modelled.items()}
     cost = {path: predicted[path] + stall_weight * e.stall_ms for path, e in modelled.items()}
     if policy in cost:
         path = policy

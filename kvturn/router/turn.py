@@ -12,7 +12,7 @@ from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import may_send_ahead
 from kvturn.router import fast_json, paths
-from kvturn.router.keys import ConversationKey, History
+from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.workers import Claim, UpstreamError, WorkerState
 
@@ -91,7 +91,15 @@ class Turn(Streaming):
         prompt = self.body.get("prompt")
         if isinstance(prompt, list):
             return len(prompt)
-        return int(self.prompt_size * self.router.costs.tokens_per_char.value)
+        known_bytes, known_tokens = self.known_history()
+        return self.router.costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
+
+    def known_history(self) -> tuple[int, int]:
+        """(bytes, tokens) of the history whose KV the conversation's lease holds; (0, 0) if none is known."""
+        entry = self.entry
+        if entry is None or not entry.history_bytes:
+            return 0, 0
+        return entry.history_bytes, int(entry.kv_params.get("remote_num_tokens") or 0)
 
     def learn(self, decode: dict | None) -> dict:
         """Teach the cost model what this turn cost, and describe the path for the response."""
@@ -106,18 +114,19 @@ class Turn(Streaming):
             actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
         timed = (p_timing,) if self.first_token_from == "prefill" else (p_timing, d_timing)  # what the TTFT holds
         explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in timed)
-        costs.observe_turn(choice, actual, explained)
+        shared = any(paths.shared_steps(report) for report in (prefill, decode or {}))
+        costs.observe_turn(choice, actual, explained, shared)
         if self.prefill_round_trip_s:
             costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
         prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
                                                                    "prompt_tokens_remote"))
-        if prompt_tokens and self.prompt_size:
-            costs.tokens_per_char.add(prompt_tokens / self.prompt_size)
+        costs.observe_prompt(self.prompt_size, prompt_tokens, *self.known_history())
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:
             self.router.metrics.prediction_error.labels(choice.path).observe(abs(predicted - actual) / actual)
         return {"chosen": choice.path, "policy": self.router.config.path_policy,
                 "predicted_ttft_ms": {p: round(ms, 2) for p, ms in choice.predicted_ms.items()},
+                "predicted_queue_ms": round(choice.estimate.queue_ms, 2),
                 "actual_ttft_ms": round(actual, 2), "other_ms": round(max(actual - explained, 0.0), 2),
                 "stall_ms": round(choice.stall_ms, 2)}
 
@@ -218,7 +227,9 @@ class Turn(Streaming):
         messages = self.body.get("messages")
         order = len(messages) if isinstance(messages, list) else 0
         if params.handle:
-            await router.table.put(Conversation(self.key, decode_url, kv, 0.0, order))
+            answered = self.prompt_size + (len(answer or "") if messages is None else
+                                           message_size({"role": "assistant", "content": answer or ""}))
+            await router.table.put(Conversation(self.key, decode_url, kv, 0.0, order, history_bytes=answered))
         else:
             await router.table.drop(self.key)  # the old lease is superseded or gone
         if self.history is not None and answer is not None:

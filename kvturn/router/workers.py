@@ -26,6 +26,7 @@ class WorkerState:
     backend: str = "unknown"  # kvturn or vllm, once asked (router/vllm_backend.py)
     pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
     token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
+    last_done: float = 0.0  # when a request's predicted work was last done: the worker then took up the others
 
     @property
     def step_ms(self) -> float:
@@ -34,12 +35,13 @@ class WorkerState:
 
     def backlog_ms(self, now: float | None = None) -> float:
         """Predicted work the worker has still to do before a request sent now gets its turn: what the
-        requests it holds were predicted to cost, less what it can have done since the oldest came."""
+        requests it holds were predicted to cost, less what it can have done on them since it took them up (when
+        the oldest came, or when the last one before them was done, whichever is later)."""
         if not self.pending:
             return 0.0
         now = time.perf_counter() if now is None else now
-        oldest = min(came for _, came in self.pending.values())
-        return max(sum(ms for ms, _ in self.pending.values()) - (now - oldest) * 1e3, 0.0)
+        started = max(min(came for _, came in self.pending.values()), self.last_done)
+        return max(sum(ms for ms, _ in self.pending.values()) - max(now - started, 0.0) * 1e3, 0.0)
 
 
 @dataclass(slots=True)
@@ -50,7 +52,8 @@ class Claim:
 
     def work_done(self) -> None:
         """The request's predicted work (its prompt) is done, though the request may go on (decoding)."""
-        self.worker.pending.pop(id(self), None)
+        if self.worker.pending.pop(id(self), None) is not None:
+            self.worker.last_done = time.perf_counter()
 
     def release(self) -> None:
         if not self.released:

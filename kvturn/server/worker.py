@@ -262,6 +262,7 @@ class Worker:
                 "ttft_ms": ttft * 1e3,
                 "kv_read_ms": t.kv_read_s * 1e3,
                 "prefill_compute_ms": t.prefill_compute_s * 1e3,
+                "prefill_shared_tokens": t.prefill_shared_tokens,
                 "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
                 "tokenize_ms": t.tokenize_s * 1e3,
                 "side_channel_ms": t.side_channel_s * 1e3,
