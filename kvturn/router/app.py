@@ -11,7 +11,6 @@ import logging
 import secrets
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,6 +25,7 @@ from kvturn.router.paths import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.turn import Turn
+from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_turn import VLLMTurn
 from kvturn.router.work_clock import WorkClock
@@ -76,19 +76,18 @@ class Router:
             self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
         self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
         self.trace = TraceOut(config.trace_out)
-        self.http: httpx.AsyncClient | None = None
+        self.http: Upstream | None = None
 
     async def start(self) -> None:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         headers = {SECRET_HEADER: self.config.cluster_secret} if self.config.cluster_secret else {}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.upstream_timeout_s, connect=5.0),
-                                      limits=limits, headers=headers)
+        self.http = Upstream(self.config.upstream_timeout_s, headers)
+        await self.http.start()
         await self.check_workers()
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
         self._health_task.cancel()
-        await self.http.aclose()
+        await self.http.close()
         await self.table.close()
         self.trace.close()
         if self.registry:
@@ -183,8 +182,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         for worker in router.decode.healthy():
             try:
                 response = await router.http.get(f"{worker.url}/v1/models")
-                return Response(response.content, response.status_code, media_type="application/json")
-            except httpx.HTTPError:
+                return Response(response.content, response.status, media_type="application/json")
+            except Unreachable:
                 router.decode.mark_dead(worker)
         return error_response(503, "no decode worker is available")
 

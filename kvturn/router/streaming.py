@@ -8,12 +8,13 @@ import json
 import logging
 import time
 
-import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from kvturn.errors import error_body
+from kvturn.router import fast_json
 from kvturn.router.first_token import FirstToken, FirstTokenMismatch
+from kvturn.router.upstream import Stream, Unreachable
 from kvturn.router.vllm_backend import KVTURN
 from kvturn.router.workers import Claim
 
@@ -39,7 +40,7 @@ class Streaming:
         if first is not None and decoders and all(w.backend == KVTURN for w in decoders):  # vLLM samples its own
             events = self.stream_after_first_token(first, d_body)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
-        opened = await self.open_decode(d_body, stream=True)
+        opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
@@ -51,7 +52,7 @@ class Streaming:
         decode worker that cannot be reached or refuses shows as an error event in the stream."""
         yield first.events()
         self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
-        opened = await self.open_decode(d_body, stream=True)
+        opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             yield stream_error(opened.body, opened.status_code)
             return
@@ -63,18 +64,18 @@ class Streaming:
         finally:  # also when the client left: the response's background task closes this generator
             await relay.aclose()
             claim.release()
-            await response.aclose()
+            await response.close()
 
-    async def close_stream(self, claim: Claim, response: httpx.Response) -> None:
+    async def close_stream(self, claim: Claim, response: Stream) -> None:
         """Runs after the response, even when the client left before the relay began."""
         claim.release()
-        await response.aclose()
+        await response.close()
 
-    async def relay(self, claim: Claim, response: httpx.Response, first: FirstToken | None = None):
+    async def relay(self, claim: Claim, response: Stream, first: FirstToken | None = None):
         router, worker_url = self.router, claim.worker.url
         answer, kv, finished, last_token_at = [], None, False, None
         try:
-            async for line in response.aiter_lines():
+            async for line in response.lines():
                 if not line.startswith("data: "):
                     continue
                 payload = line[6:]
@@ -85,7 +86,7 @@ class Streaming:
                     router.metrics.requests.labels("ok").inc()
                     yield "data: [DONE]\n\n"
                     continue
-                chunk = json.loads(payload)
+                chunk = fast_json.loads(payload)
                 for choice in chunk.get("choices") or []:
                     answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
                                   else choice.get("text") or "")
@@ -103,8 +104,8 @@ class Streaming:
                     continue
                 if "kvturn" in chunk:
                     chunk["kvturn"] = self.merged_kvturn(chunk["kvturn"], worker_url)
-                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                yield b"data: %s\n\n" % fast_json.dumps(chunk)
+        except (Unreachable, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
             yield stream_error(b"", 503)
         except FirstTokenMismatch:
@@ -114,7 +115,7 @@ class Streaming:
         finally:
             await self.end_relay(claim, response, finished)
 
-    async def end_relay(self, claim: Claim, response: httpx.Response, finished: bool) -> None:
+    async def end_relay(self, claim: Claim, response: Stream, finished: bool) -> None:
         """A relay ended, whichever way: D's load released, and a stream cut short counted as a decode error
         with the conversation's entry dropped (D retained nothing for the next turn)."""
         claim.release()
@@ -122,4 +123,4 @@ class Streaming:
             if self.key:
                 await self.router.table.drop(self.key)
             self.router.metrics.requests.labels("decode_error").inc()
-        await response.aclose()
+        await response.close()

@@ -3,7 +3,6 @@ worker's lease so it can read the history back), decode (streamed or whole), and
 import logging
 import time
 
-import httpx
 from fastapi.responses import JSONResponse, Response
 
 from kvturn.errors import error_response
@@ -14,10 +13,10 @@ from kvturn.router.first_token import may_send_ahead
 from kvturn.router import fast_json, paths
 from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
+from kvturn.router.upstream import Reply, Stream, Unreachable
 from kvturn.router.workers import Claim, UpstreamError, WorkerState
 
 log = logging.getLogger("kvturn.router")
-JSON_CONTENT = {"Content-Type": "application/json"}
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
 
 
@@ -135,11 +134,11 @@ class Turn(Streaming):
         router = self.router
         tried: set[str] = set()
         lease = self.entry.kv_params if self.entry and self.choice.path == paths.PULL else None
-        failed: httpx.Response | None = None  # the last 5xx, passed on when no worker is left to try
+        failed: Reply | None = None  # the last 5xx, passed on when no worker is left to try
         while True:
             worker = router.prefill.least_loaded(tried)
             if worker is None and failed is not None:
-                raise UpstreamError(Response(failed.content, failed.status_code, media_type="application/json"))
+                raise UpstreamError(Response(failed.content, failed.status, media_type="application/json"))
             if worker is None:
                 raise UpstreamError(error_response(503, "no prefill worker is available"))
             kv = KVTransferParams.parse(lease).for_next_prefill() if lease else {"do_remote_decode": True,
@@ -152,17 +151,16 @@ class Turn(Streaming):
                 p_body["conversation_id"] = self.key
             with router.prefill.claim(worker, self.choice.work_ms):
                 try:
-                    response = await router.http.post(worker.url + self.path, content=fast_json.dumps(p_body),
-                                                      headers=JSON_CONTENT)
-                except httpx.HTTPError:
+                    response = await router.http.post(worker.url + self.path, fast_json.dumps(p_body))
+                except Unreachable:
                     router.prefill.mark_dead(worker)
                     tried.add(worker.url)
                     router.metrics.retries.labels("prefill_unreachable").inc()
                     continue
-            if response.status_code == 200:
+            if response.status == 200:
                 return fast_json.loads(response.content), worker.url
-            if response.status_code < 500:
-                raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
+            if response.status < 500:
+                raise UpstreamError(Response(response.content, response.status, media_type="application/json"))
             if lease is not None:
                 lease = None
                 router.metrics.retries.labels("prefill_failed_with_reuse").inc()
@@ -179,7 +177,7 @@ class Turn(Streaming):
                 return holder
         return router.decode.least_loaded(exclude)
 
-    async def open_decode(self, d_body: dict, stream: bool) -> tuple[Claim, httpx.Response] | Response:
+    async def open_decode(self, d_body: dict) -> tuple[Claim, Stream] | Response:
         """Send the turn to a decode worker (another one if the first cannot be reached). Returns its claim and
         its 200 answer, or the error to pass on, counted, with the worker's load released: no worker left, or the
         worker's own refusal (see decode_refused)."""
@@ -193,8 +191,8 @@ class Turn(Streaming):
             on_decode = self.choice is not None and self.choice.path == paths.COMPUTE_ON_DECODE
             claim = router.decode.claim(worker, self.choice.work_ms if on_decode else 0.0)
             try:
-                response = await self.send(self.decode_request(worker, d_body), stream=stream)
-            except httpx.HTTPError:
+                response = await self.send(*self.decode_request(worker, d_body))
+            except Unreachable:
                 claim.release()
                 router.decode.mark_dead(worker)
                 tried.add(worker.url)
@@ -203,18 +201,23 @@ class Turn(Streaming):
             except BaseException:  # cancelled: the client left while the stream was opening D
                 claim.release()
                 raise
-            if response.status_code == 200:
+            if response.status == 200:
                 return claim, response
             claim.release()
-            content = await response.aread()
-            await response.aclose()
-            return self.decode_refused(content, response.status_code)
+            try:
+                content = await response.read()
+            except Unreachable:
+                content = b""
+            await response.close()
+            return self.decode_refused(content, response.status)
 
-    def decode_request(self, worker: WorkerState, d_body: dict) -> httpx.Request:
-        return self.router.http.build_request("POST", worker.url + self.path, json=d_body)
+    def decode_request(self, worker: WorkerState, d_body: dict) -> tuple[str, bytes]:
+        """(URL, JSON body) of the turn's call to a decode worker."""
+        return worker.url + self.path, fast_json.dumps(d_body)
 
-    async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
-        return await self.router.http.send(request, stream=stream)
+    async def send(self, url: str, content: bytes) -> Stream:
+        """Open a call to a worker: its status is in, its body is read by the caller."""
+        return await self.router.http.open(url, content)
 
     async def remember(self, decode_url: str, kv: dict | None, answer: str | None) -> None:
         if self.key is None:
@@ -273,12 +276,19 @@ class Turn(Streaming):
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
-        opened = await self.open_decode(d_body, stream=False)
+        opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
-        claim.release()
-        result = response.json()
+        try:
+            content = await response.read()
+        except Unreachable:
+            router.metrics.requests.labels("decode_error").inc()
+            return error_response(503, "the decode worker failed before its answer was complete")
+        finally:
+            claim.release()
+            await response.close()
+        result = fast_json.loads(content)
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")

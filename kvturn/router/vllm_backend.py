@@ -7,10 +7,11 @@ import logging
 import re
 import time
 
-import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from yarl import URL
 
 from kvturn.config import RouterConfig
+from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
 from kvturn.router.vllm_reuse import OUTCOMES
 from kvturn.router.work_clock import WorkClock
@@ -22,15 +23,14 @@ RETENTION_WAIT_S = 2.0  # a next turn waits this long at most for the previous s
 # Fields of a chat request that change how its messages render to tokens: /tokenize must see the same ones.
 RENDERING_FIELDS = ("add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
                     "chat_template_kwargs", "tools", "documents", "mm_processor_kwargs")
-JSON = {"Content-Type": "application/json"}
 _BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 _OWN_BUCKETS = (0.0002, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 @functools.lru_cache(maxsize=256)
-def endpoint(url: str) -> httpx.URL:
-    """A worker's URL, parsed once: httpx would parse the string anew for each of a turn's three requests."""
-    return httpx.URL(url)
+def endpoint(url: str) -> URL:
+    """A worker's URL, parsed once: the client would parse the string anew for each of a turn's three requests."""
+    return URL(url)
 
 
 class VLLMMetrics:
@@ -75,7 +75,7 @@ class VLLMBackend:
     def serves(workers) -> bool:
         return any(w.backend == VLLM for w in workers if w.healthy)
 
-    async def detect(self, client: httpx.AsyncClient, workers) -> None:
+    async def detect(self, client: Upstream, workers) -> None:
         """Name each worker's backend once it answers (forced by --backend unless auto)."""
         for worker in workers:
             if worker.backend != UNKNOWN or not worker.healthy:
@@ -84,30 +84,30 @@ class VLLMBackend:
                 backend = self.config.backend if self.config.backend != "auto" else await self._ask(client, worker.url)
                 if backend == VLLM:
                     self.block_sizes[worker.url] = await self._block_size(client, worker.url)
-            except httpx.HTTPError:
+            except Unreachable:
                 continue
             worker.backend = backend
             log.info("%s worker %s is %s", worker.role, worker.url, backend)
 
     @staticmethod
-    async def _ask(client: httpx.AsyncClient, url: str) -> str:
+    async def _ask(client: Upstream, url: str) -> str:
         """kvturn's /health names itself; vLLM's answers with an empty body and has /version."""
-        health = await client.get(f"{url}/health", timeout=2.0)
-        is_json = health.headers.get("content-type", "").startswith("application/json")
+        health = await client.get(f"{url}/health", timeout_s=2.0)
+        is_json = health.content_type.startswith("application/json")
         if health.content and is_json and health.json().get("backend") == KVTURN:
             return KVTURN
-        version = await client.get(f"{url}/version", timeout=2.0)
-        return VLLM if version.status_code == 200 and "version" in version.json() else KVTURN
+        version = await client.get(f"{url}/version", timeout_s=2.0)
+        return VLLM if version.status == 200 and "version" in version.json() else KVTURN
 
     @staticmethod
-    async def _block_size(client: httpx.AsyncClient, url: str) -> int:
-        found = _BLOCK_SIZE.search((await client.get(f"{url}/metrics", timeout=5.0)).text)
+    async def _block_size(client: Upstream, url: str) -> int:
+        found = _BLOCK_SIZE.search((await client.get(f"{url}/metrics", timeout_s=5.0)).content.decode())
         return int(found.group(1)) if found else DEFAULT_BLOCK_SIZE
 
     def block_size(self, url: str) -> int:
         return self.block_sizes.get(url, DEFAULT_BLOCK_SIZE)
 
-    async def prompt_ids(self, client: httpx.AsyncClient, prefill_url: str, body: dict, chat: bool,
+    async def prompt_ids(self, client: Upstream, prefill_url: str, body: dict, chat: bool,
                          clock: WorkClock, messages_json: bytes | None) -> tuple[str | None, list[int] | None]:
         """(the token ids the request's prompt renders to, as their text "1,2,3" (vllm_reuse.py), or None if unknown;
         the same ids as a list when they came from the local tokenizer: the workers must be handed them to compute
@@ -135,19 +135,18 @@ class VLLMBackend:
                 content = dumps(request)
             else:
                 return None, None
-            outgoing = client.build_request("POST", endpoint(f"{prefill_url}/tokenize"), content=content, headers=JSON)
             clock.pause()
             try:
-                response = await client.send(outgoing)
+                response = await client.post(endpoint(f"{prefill_url}/tokenize"), content)
             finally:
                 clock.resume()
-            if response.status_code != 200:
+            if response.status != 200:
                 return None, None
             _, tokens = cut_int_list(response.content.decode(), "tokens")
             if tokens is None:  # not vLLM's compact JSON: parsed whole
                 return ids_text(loads(response.content).get("tokens")), None
             return checked_ids(tokens), None
-        except (httpx.HTTPError, ValueError, AttributeError):  # AttributeError: a reply that is not a JSON object
+        except (Unreachable, ValueError, AttributeError):  # AttributeError: a reply that is not a JSON object
             return None, None
         finally:
             self.metrics.tokenize_seconds.observe(time.perf_counter() - started)

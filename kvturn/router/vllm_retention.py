@@ -5,11 +5,10 @@ next turn waits for it (briefly) before looking the conversation up."""
 import logging
 import time
 
-import httpx
 
 from kvturn.router.conversations import Conversation
 from kvturn.router.fast_json import encode_with
-from kvturn.router.vllm_backend import JSON
+from kvturn.router.upstream import Unreachable
 from kvturn.router.vllm_params import RETAIN_AS_PREFILL, stored_params
 from kvturn.router.vllm_reuse import retained_token_ids
 
@@ -25,13 +24,12 @@ async def retain_streamed_turn(router, key: str, decode_url: str, model: str | N
     kv = None
     try:
         if worker is None:
-            raise httpx.HTTPError("the decode worker left the pool")
+            raise Unreachable("the decode worker left the pool")
         with router.decode.claim(worker):
             response = await router.http.post(decode_url + "/v1/completions",
-                                              content=encode_with(body, "prompt", f"[{token_ids}]".encode()),
-                                              headers=JSON)
-        kv = response.json().get("kv_transfer_params") if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError) as exc:
+                                              encode_with(body, "prompt", f"[{token_ids}]".encode()))
+        kv = response.json().get("kv_transfer_params") if response.status == 200 else None
+    except (Unreachable, ValueError) as exc:
         log.warning("retention call to %s failed: %s", decode_url, exc)
     router.vllm.metrics.streams.labels("retention_call" if kv else "none").inc()
     retained = retained_token_ids(token_ids, None, kv.get("remote_num_tokens") if kv else None)

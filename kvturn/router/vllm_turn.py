@@ -9,7 +9,6 @@ import json
 import logging
 import time
 
-import httpx
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -18,7 +17,8 @@ from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
 from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
 from kvturn.router.turn import Turn, UpstreamError
-from kvturn.router.vllm_backend import JSON, endpoint
+from kvturn.router.upstream import Reply, Stream, Unreachable
+from kvturn.router.vllm_backend import endpoint
 from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
 from kvturn.router.vllm_retention import retain_streamed_turn
 from kvturn.router.work_clock import WorkClock
@@ -58,11 +58,11 @@ class VLLMTurn(Turn):
         self.vllm.metrics.own_seconds.observe(wall_ms / 1e3)
         self.vllm.metrics.own_cpu_seconds.observe(cpu_ms / 1e3)
 
-    async def send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
-        """A call to a worker, with the request built (its JSON encoded) before the wait, as the router's work."""
+    async def send(self, url, content: bytes) -> Stream:
+        """A call to a worker, with its JSON encoded before the wait, as the router's work."""
         self.work.pause()
         try:
-            return await self.router.http.send(request, stream=stream)
+            return await self.router.http.open(url, content)
         finally:
             self.work.resume()
 
@@ -131,36 +131,38 @@ class VLLMTurn(Turn):
         vLLM's P fail), once more without it; then another P."""
         router = self.router
         tried: set[str] = set()
-        failed: httpx.Response | None = None
+        failed: Reply | None = None
         verified_on = None
         while True:
             worker = router.prefill.least_loaded(tried)
             if worker is None:
                 if failed is not None:
-                    raise UpstreamError(Response(failed.content, failed.status_code, media_type="application/json"))
+                    raise UpstreamError(Response(failed.content, failed.status, media_type="application/json"))
                 raise UpstreamError(error_response(503, "no prefill worker is available"))
             if verified_on is None:
                 verified_on = worker.url
                 await self.verify_reuse(worker.url)
             passing = self.tokens_passed > 0
             with router.prefill.claim(worker):
-                request = router.http.build_request("POST", endpoint(worker.url + self.path),
-                                                    content=self.encoded(self.prefill_body(passing)), headers=JSON)
+                content = self.encoded(self.prefill_body(passing))
                 started = time.perf_counter()
+                self.work.pause()
                 try:
-                    response = await self.send(request)
+                    response = await router.http.post(endpoint(worker.url + self.path), content)
                     self.prefill_round_trip_s = time.perf_counter() - started
-                except httpx.HTTPError:
+                except Unreachable:
                     router.prefill.mark_dead(worker)
                     tried.add(worker.url)
                     router.metrics.retries.labels("prefill_unreachable").inc()
                     continue
+                finally:
+                    self.work.resume()
             if passing:
                 await router.table.drop(self.key)  # P has read (or tried to read) D's blocks: vLLM frees them
-            if response.status_code == 200:
+            if response.status == 200:
                 return loads(response.content), worker.url
-            if response.status_code < 500:
-                raise UpstreamError(Response(response.content, response.status_code, media_type="application/json"))
+            if response.status < 500:
+                raise UpstreamError(Response(response.content, response.status, media_type="application/json"))
             if passing:
                 self.tokens_passed, self.outcome = 0, "failed_with_reuse"
                 router.metrics.retries.labels("prefill_failed_with_reuse").inc()
@@ -215,19 +217,26 @@ class VLLMTurn(Turn):
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)  # /v1/completions puts them on the choice
 
-    def decode_request(self, worker, d_body: dict) -> httpx.Request:
+    def decode_request(self, worker, d_body: dict) -> tuple:
         """As Turn's, with the body encoded once for all the worker calls of the turn."""
-        return self.router.http.build_request("POST", endpoint(worker.url + self.path), content=self.encoded(d_body),
-                                              headers=JSON)
+        return endpoint(worker.url + self.path), self.encoded(d_body)
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
-        opened = await self.open_decode(d_body, stream=False)
+        opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
-        claim.release()
-        text = response.content.decode()
+        self.work.pause()
+        try:
+            text = (await response.read()).decode()
+        except Unreachable:
+            router.metrics.requests.labels("decode_error").inc()
+            return error_response(503, "the decode worker failed before its answer was complete")
+        finally:
+            self.work.resume()
+            claim.release()
+            await response.close()
         rest, echoed = cut_int_list(text, "prompt_token_ids")
         result = loads(text if self.wants_ids else rest)
         kv = result.pop("kv_transfer_params", None)
@@ -248,7 +257,7 @@ class VLLMTurn(Turn):
         return reply
 
     async def stream_decode(self, d_body: dict) -> Response:
-        opened = await self.open_decode(d_body, stream=True)
+        opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
@@ -256,11 +265,11 @@ class VLLMTurn(Turn):
         return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
                                  background=BackgroundTask(self.close_stream, claim, response))
 
-    async def relay(self, claim: Claim, response: httpx.Response):
+    async def relay(self, claim: Claim, response: Stream):
         router, worker_url = self.router, claim.worker.url
         answer, prompt_ids, output_ids = [], None, []
         kv, finish_reason, finished = None, None, False
-        lines = response.aiter_lines()
+        lines = response.lines()
         try:
             while True:
                 try:
@@ -300,7 +309,7 @@ class VLLMTurn(Turn):
                 out = b"data: %s\n\n" % dumps(chunk)
                 self.work.pause()
                 yield out
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        except (Unreachable, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
             yield b"data: %s\n\n" % dumps(error_body(503, "the decode worker failed mid-stream"))
         finally:

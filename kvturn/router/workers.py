@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import httpx
+from kvturn.router.upstream import Unreachable, Upstream
 
 log = logging.getLogger("kvturn.router")
 
@@ -110,11 +110,11 @@ class WorkerPool:
             log.warning("%s worker %s left the rotation", self.role, worker.url)
         worker.healthy = False
 
-    async def check(self, client: httpx.AsyncClient) -> None:
+    async def check(self, client: Upstream) -> None:
         async def probe(worker: WorkerState):
             try:
-                ok = (await client.get(f"{worker.url}/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
+                ok = (await client.get(f"{worker.url}/health", timeout_s=2.0)).status == 200
+            except Unreachable:
                 ok = False
             if ok and not worker.healthy:
                 log.info("%s worker %s is back", self.role, worker.url)
