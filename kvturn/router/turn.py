@@ -274,26 +274,37 @@ class Turn(Streaming):
             "prefill_timing": p_timing,
         }
 
-    async def complete_decode(self, d_body: dict) -> Response:
-        router = self.router
+    async def decode_answer(self, d_body: dict) -> tuple[WorkerState, bytes] | Response:
+        """A non-streamed turn's whole answer from a decode worker, with the worker's load released; or the counted
+        error to pass on."""
         opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
         try:
-            content = await response.read()
+            return claim.worker, await self.read(response)
         except Unreachable:
-            router.metrics.requests.labels("decode_error").inc()
+            self.router.metrics.requests.labels("decode_error").inc()
             return error_response(503, "the decode worker failed before its answer was complete")
         finally:
             claim.release()
             await response.close()
+
+    async def read(self, response: Stream) -> bytes:
+        return await response.read()
+
+    async def complete_decode(self, d_body: dict) -> Response:
+        router = self.router
+        answered = await self.decode_answer(d_body)
+        if isinstance(answered, Response):
+            return answered
+        worker, content = answered
         result = fast_json.loads(content)
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
-        await self.remember(claim.worker.url, kv, answer)
-        result["kvturn"] = self.merged_kvturn(result.get("kvturn"), claim.worker.url)
+        await self.remember(worker.url, kv, answer)
+        result["kvturn"] = self.merged_kvturn(result.get("kvturn"), worker.url)
         if self.want_kv and kv is not None:
             result["kv_transfer_params"] = kv
         router.metrics.requests.labels("ok").inc()

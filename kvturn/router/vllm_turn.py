@@ -58,6 +58,13 @@ class VLLMTurn(Turn):
         self.vllm.metrics.own_seconds.observe(wall_ms / 1e3)
         self.vllm.metrics.own_cpu_seconds.observe(cpu_ms / 1e3)
 
+    async def read(self, response: Stream) -> bytes:
+        self.work.pause()
+        try:
+            return await response.read()
+        finally:
+            self.work.resume()
+
     async def send(self, url, content: bytes) -> Stream:
         """A call to a worker, with its JSON encoded before the wait, as the router's work."""
         self.work.pause()
@@ -223,20 +230,11 @@ class VLLMTurn(Turn):
 
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
-        opened = await self.open_decode(d_body)
-        if isinstance(opened, Response):
-            return opened
-        claim, response = opened
-        self.work.pause()
-        try:
-            text = (await response.read()).decode()
-        except Unreachable:
-            router.metrics.requests.labels("decode_error").inc()
-            return error_response(503, "the decode worker failed before its answer was complete")
-        finally:
-            self.work.resume()
-            claim.release()
-            await response.close()
+        answered = await self.decode_answer(d_body)
+        if isinstance(answered, Response):
+            return answered
+        worker, content = answered
+        text = content.decode()
         rest, echoed = cut_int_list(text, "prompt_token_ids")
         result = loads(text if self.wants_ids else rest)
         kv = result.pop("kv_transfer_params", None)
@@ -246,12 +244,12 @@ class VLLMTurn(Turn):
                                                                 choice.get("prompt_token_ids"))
         retained = vllm_reuse.retained_token_ids(prompt_ids, ids_text(choice.get("token_ids")),
                                                  kv.get("remote_num_tokens") if isinstance(kv, dict) else None)
-        await self.remember_vllm(claim.worker.url, kv, retained, answer)
+        await self.remember_vllm(worker.url, kv, retained, answer)
         self.strip_ids(result)
         if self.want_kv and kv is not None:
             result["kv_transfer_params"] = kv
         router.metrics.requests.labels("ok").inc()
-        result["kvturn"] = self.merged_kvturn(None, claim.worker.url)
+        result["kvturn"] = self.merged_kvturn(None, worker.url)
         reply = Response(dumps(result), media_type="application/json")
         self.observe_work()
         return reply
