@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 from rich.console import Console
 from rich.table import Table
