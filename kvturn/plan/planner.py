@@ -25,8 +25,8 @@ LEFT_OUT = (
     "contention between processes sharing cores or a GPU beyond what the calibration run itself saw",
     "bandwidth shared by concurrent KV reads (each read runs at the calibrated MiB/s alone)",
     "preemption of running requests when a pool fills (leases are reclaimed, no request is ever preempted)",
-    "the adaptive router's online corrections, queue estimates and re-exploration of paths (the simulated router "
-    "prices each turn with the calibrated costs as they are)",
+    "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated; its "
+    "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
     "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
     "router, HTTP and tokenization time as one constant per leg (its calibrated median), not a queue",

@@ -1,11 +1,10 @@
-"""A discrete-event simulation of one deployment leg serving a workload: the router's choice of path per turn
-(its own `paths.choose` for the adaptive leg), prefill and decode workers as step loops (steps.py), retention
-leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a trace's own
-start times. A plain heapq loop: the whole state is a few dicts and lists, and 200,000 turns take about ten
-seconds."""
+"""A discrete-event simulation of one deployment leg serving a workload: the router's own code for each turn (its
+`paths` cost model, choice, exploration and learning, and its `workers` load accounting: claims, predicted
+backlog, least-loaded picks, run on the simulated clock), prefill and decode workers as step loops (steps.py),
+retention leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a
+trace's own start times. A plain heapq loop: the whole state is a few dicts and lists."""
 import heapq
 from dataclasses import dataclass
-from operator import attrgetter
 
 from kvturn.bench.compare import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
@@ -13,7 +12,8 @@ from kvturn.plan.calibration import Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload
-from kvturn.router import paths
+from kvturn.router import paths, workers
+from kvturn.router.workers import Claim, WorkerPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,9 @@ class Deployment:
     max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
     block_size: int = default_of(EngineConfig, "block_size")
     one_host: bool = False  # every worker on one machine's cores, as `kvturn bench --compare` runs them
+    # The router streams P's first token ahead of the decode worker (streamed requests without stop strings or
+    # logprobs, as the bench sends): D's read and first step are then not in the time to first token.
+    first_token_ahead: bool = True
 
 
 @dataclass(slots=True)
@@ -46,6 +49,22 @@ class TurnResult:
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
     ttft_ms: float = 0.0
     finished_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Flight:
+    """One turn on its way through the router and the workers."""
+    state: "SessionState"
+    turn: TurnDemand
+    result: TurnResult
+    shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse (its last token is always computed)
+    dispatched_s: float = 0.0
+    choice: paths.PathChoice | None = None
+    claim: Claim | None = None  # the router's load on the worker serving the turn now
+    prefill: int = 0  # the prefill worker serving it
+    decode: int = 0  # the decode worker serving it
+    read_ms: float = 0.0  # P's read of D's retained history
+    prefill_compute_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -65,7 +84,6 @@ class SessionState:
     finished_s: float | None = None
 
 
-LOAD = attrgetter("in_flight")  # the router sends a turn to the least loaded worker
 FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least paths.MIN_SAMPLES
 
 
@@ -86,14 +104,57 @@ def router_cost_model(calibration: Calibration) -> paths.CostModel:
     return model
 
 
-def fixed_path(policy: str, retained: bool, decode_available: bool) -> str:
-    """What `paths.choose` gives a fixed policy, without pricing every path: its own path whenever it is possible,
-    else pull if there is a lease, else recompute."""
-    possible = {paths.RECOMPUTE, *((paths.PULL,) if retained else ()),
-                *((paths.COMPUTE_ON_DECODE,) if retained and decode_available else ())}
-    if policy in possible:
-        return policy
-    return paths.PULL if retained else paths.RECOMPUTE
+class RouterClock:
+    """Stands in for the `time` module inside kvturn.router.workers while a simulation runs, so that the router's
+    own load accounting (claims, predicted backlog) runs on the simulated clock rather than the wall clock."""
+
+    def __init__(self, sim: "Simulation"):
+        self.sim = sim
+
+    def perf_counter(self) -> float:
+        return self.sim.now
+
+
+class RouterPool:
+    """The router's view of one role's workers, kept by its own code (`WorkerPool`, its claims and each worker's
+    predicted `backlog_ms`). The backlog is read whenever a claim comes or goes; in between it falls by a millisecond
+    each millisecond (the work predicted, less what the worker can have done since it took it up), so it is kept as
+    the time it runs out, and a least-loaded pick does not price every request pending on every worker."""
+
+    def __init__(self, sim: "Simulation", role: str, size: int):
+        self.sim = sim
+        self.pool = WorkerPool([f"{role}-{i}" for i in range(size)], role)
+        self.workers = self.pool.workers
+        self.free_at_s = [0.0] * size
+
+    def claim(self, index: int, work_ms: float = 0.0) -> Claim:
+        claim = self.pool.claim(self.workers[index], work_ms)
+        self._changed(index)
+        return claim
+
+    def work_done(self, claim: Claim, index: int) -> None:
+        claim.work_done()
+        self._changed(index)
+
+    def release(self, claim: Claim, index: int) -> None:
+        claim.release()
+        self._changed(index)
+
+    def _changed(self, index: int) -> None:
+        now = self.sim.now
+        self.free_at_s[index] = now + self.workers[index].backlog_ms(now) / 1e3
+
+    def least_loaded(self) -> int:
+        """The index of `WorkerPool.least_loaded`'s pick (every worker healthy): least backlog, then fewest
+        requests in flight, then the first."""
+        now, free_at = self.sim.now, self.free_at_s
+        soonest = min(free_at)
+        if soonest > now:
+            candidates = [i for i, free in enumerate(free_at) if free == soonest]
+        else:
+            candidates = [i for i, free in enumerate(free_at) if free <= now]
+        workers = self.workers
+        return min(candidates, key=lambda i: workers[i].in_flight)
 
 
 class Simulation:
@@ -107,8 +168,14 @@ class Simulation:
         pool_tokens = int(d.kv_cache_mb * 2**20 / calibration.kv_bytes_per_token)
         loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs, d.max_num_batched_tokens)  # noqa: E731
         self.colocated = leg.mode == "colocated"
+        self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
         self.prefill = [] if self.colocated else [loop("prefill", i) for i in range(d.num_prefill)]
         self.decode = [loop("colocated" if self.colocated else "decode", i) for i in range(d.num_decode)]
+        # The router's view of the workers, kept by its own code: load, predicted backlog, decode step time.
+        self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
+        self.router_decode = RouterPool(self, "decode", len(self.decode))
+        for worker, view in zip(self.decode, self.router_decode.workers):
+            worker.token_gaps_ms = view.token_gaps_ms
         self.pool_tokens = pool_tokens
         self.prefill_cache = [PrefixCache(pool_tokens) for _ in self.prefill] if leg.prefix_caching_on_prefill else []
         self.decode_cache = [PrefixCache(pool_tokens) for _ in self.decode]
@@ -117,6 +184,7 @@ class Simulation:
         self.leases = [Leases(budget, self._retained_changed) for _ in self.decode]
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
+        self.policy = leg.path_policy if leg.bidirectional else paths.RECOMPUTE
         self.other_s = calibration.other(leg.name) / 1e3
         self.retained_tokens = 0
         self.peak_retained_tokens = 0
@@ -127,7 +195,7 @@ class Simulation:
     def contention(self, loop: StepLoop) -> tuple[float, float]:
         """(factor on prompt compute, ms added to a decode step) for a worker whose other role is busy on the
         same cores; nothing for workers on their own hardware, or a colocated worker alone."""
-        if not self.deployment.one_host or self.colocated:
+        if not self.shared_cores:
             return 1.0, 0.0
         others = self.decode if loop.kind == "prefill" else self.prefill
         if not any(worker.busy for worker in others):
@@ -146,10 +214,15 @@ class Simulation:
         else:
             for state in self.sessions:
                 self.at(state.session.start_s or 0.0, self._start_session, state)
-        while self._queue:
-            self.now, _, action, args = heapq.heappop(self._queue)
-            self.events += 1
-            action(*args)
+        queue, pop = self._queue, heapq.heappop
+        wall_clock, workers.time = workers.time, RouterClock(self)
+        try:
+            while queue:
+                self.now, _, action, args = pop(queue)
+                self.events += 1
+                action(*args)
+        finally:
+            workers.time = wall_clock
         return self
 
     # ---- sessions and turns
@@ -166,15 +239,17 @@ class Simulation:
         turn = state.session.turns[state.next_turn]
         result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
         self.results.append(result)
-        self.at(arrival_s + self.other_s, self._dispatch, state, turn, result)
+        shareable = self._blocks(min(turn.shared_tokens, turn.prompt_tokens - 1))
+        self.at(arrival_s + self.other_s, self._dispatch, Flight(state, turn, result, shareable))
 
-    def _turn_done(self, state: SessionState, decode: int, turn: TurnDemand, result: TurnResult) -> None:
+    def _turn_done(self, flight: Flight) -> None:
+        state, turn, decode = flight.state, flight.turn, flight.decode
         conversation = state.session.conversation_id
         retained = self._blocks(turn.prompt_tokens + turn.output_tokens - 1)
         self.decode_cache[decode].store(conversation, retained)
         if self.leg.bidirectional:
             self._retain(conversation, decode, retained)
-        result.finished_s = self.now
+        flight.result.finished_s = self.now
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
             self._start_turn(state, self.now + state.session.turns[state.next_turn].think_s)
@@ -183,93 +258,119 @@ class Simulation:
         if self.workload.clients:
             self._start_next_session()
 
-    # ---- one turn's path
-    def _dispatch(self, state: SessionState, turn: TurnDemand, result: TurnResult) -> None:
-        conversation = state.session.conversation_id
+    # ---- one turn's path, as kvturn/router/turn.py takes it
+    def _dispatch(self, flight: Flight) -> None:
+        state, turn = flight.state, flight.turn
+        flight.dispatched_s = now = self.now
         if self.colocated:
-            self._compute_on(state.index % len(self.decode), state, turn, result, lease_tokens=0)
+            self._compute_on(state.index % len(self.decode), flight, lease_tokens=0)
             return
+        conversation = state.session.conversation_id
         entry = self.table.get(conversation)
-        if entry is not None and self.now >= entry.forget_s:
+        if entry is not None and now >= entry.forget_s:
             del self.table[conversation]  # the router forgot it
             entry = None
-        holder = self.decode[entry.decode] if entry else None
+        holder = self.router_decode.workers[entry.decode] if entry else None
         available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
-        prefill = min(self.prefill, key=LOAD)
-        policy = self.leg.path_policy if self.leg.bidirectional else paths.RECOMPUTE
-        if policy == "adaptive":
-            view = paths.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
-                                  holder.in_flight if holder else 0, available, prefill.in_flight)
-            result.path = paths.choose(self.costs, view, policy, self.deployment.stall_weight).path
-        else:
-            result.path = fixed_path(policy, entry is not None, available)
-        live = entry is not None and entry.lease.alive and self.now + self.deployment.kv_expiry_margin_s < \
+        prefill_index = self.router_prefill.least_loaded()
+        prefill = self.router_prefill.workers[prefill_index]
+        view = paths.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
+                              holder.in_flight if holder else 0, available, prefill.in_flight, prefill.backlog_ms(now),
+                              holder.backlog_ms(now) if holder else 0.0, self.deployment.first_token_ahead,
+                              holder.step_ms if holder else 0.0)
+        choice = flight.choice = paths.choose(self.costs, view, self.policy, self.deployment.stall_weight)
+        self.costs.chosen(choice.path)
+        flight.result.path = choice.path
+        live = entry is not None and entry.lease.alive and now + self.deployment.kv_expiry_margin_s < \
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
-        if result.path == paths.COMPUTE_ON_DECODE:
-            self._compute_on(entry.decode, state, turn, result, lease_tokens)
+        if choice.path == paths.COMPUTE_ON_DECODE:
+            flight.claim = self.router_decode.claim(entry.decode, choice.work_ms)
+            self._compute_on(entry.decode, flight, lease_tokens)
         else:
-            self._prefill_on(prefill, state, turn, result, lease_tokens if result.path == paths.PULL else 0)
-
-    def _reusable(self, turn: TurnDemand, cached: int) -> int:
-        """Of `cached` tokens of history KV, the full blocks this prompt shares (its last token is always
-        computed, for its logits)."""
-        return min(cached, self._blocks(turn.shared_tokens), self._blocks(turn.prompt_tokens - 1))
+            flight.claim = self.router_prefill.claim(prefill_index, choice.work_ms)
+            self._prefill_on(prefill_index, flight, lease_tokens if choice.path == paths.PULL else 0)
 
     def _blocks(self, tokens: int) -> int:
         return max(tokens, 0) // self.deployment.block_size * self.deployment.block_size
 
-    def _compute_on(self, decode: int, state: SessionState, turn: TurnDemand, result: TurnResult,
-                    lease_tokens: int) -> None:
+    def _compute_on(self, decode: int, flight: Flight, lease_tokens: int) -> None:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
-        conversation = state.session.conversation_id
-        cached = self._reusable(turn, max(self.decode_cache[decode].hit(conversation), lease_tokens))
-        result.reused_tokens = self._reusable(turn, lease_tokens)
-        job = Job(turn.prompt_tokens - cached, cached, turn.output_tokens,
-                  on_first_token=lambda now: self._first_token(result, now),
-                  on_finished=lambda now: self._turn_done(state, decode, turn, result))
+        turn = flight.turn
+        shareable = flight.shareable_tokens
+        cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id),
+                                    lease_tokens))
+        flight.result.reused_tokens = min(shareable, lease_tokens)
+        flight.decode = decode
+        job = Job(turn.prompt_tokens - cached, cached, turn.output_tokens, flight,
+                  on_first_token=self._computed_on_decode, on_finished=self._decoded)
         self.decode[decode].submit_prefill(job)
 
-    def _prefill_on(self, prefill: StepLoop, state: SessionState, turn: TurnDemand, result: TurnResult,
-                    lease_tokens: int) -> None:
-        """Prefill on P (reading D's retained history first when that saves at least the threshold), then the
-        decode worker reads the prompt's KV it lacks and decodes."""
-        conversation = state.session.conversation_id
-        index = prefill.index
-        local = self._reusable(turn, self.prefill_cache[index].hit(conversation)) if self.prefill_cache else 0
-        remote = self._reusable(turn, lease_tokens) - local
+    def _computed_on_decode(self, job: Job, now: float) -> None:
+        flight = job.flight
+        if flight.claim is not None:  # a colocated worker has no router in front
+            self.router_decode.work_done(flight.claim, flight.decode)  # D's first text: its predicted work is done
+        self._first_token(flight, now, job.compute_ms)
+
+    def _prefill_on(self, prefill: int, flight: Flight, lease_tokens: int) -> None:
+        """Prefill on P (reading D's retained history first when that saves at least the threshold); P answers
+        with the first token, then the decode worker reads the prompt's KV it lacks and decodes."""
+        turn = flight.turn
+        conversation = flight.state.session.conversation_id
+        shareable = flight.shareable_tokens
+        local = min(shareable, self.prefill_cache[prefill].hit(conversation)) if self.prefill_cache else 0
+        remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        result.reused_tokens = remote
+        flight.result.reused_tokens = remote
+        flight.prefill = prefill
         context = local + remote
-        job = Job(turn.prompt_tokens - context, context, 1,
-                  on_finished=lambda now: self._prefilled(index, state, turn, result, now))
+        job = Job(turn.prompt_tokens - context, context, 1, flight, on_finished=self._prefilled)
+        worker = self.prefill[prefill]
         if remote:  # the read runs beside the worker's steps, as the sequence waits in LOADING_KV
-            self.at(self.now + self.calibration.read_ms(remote, "d_to_p") / 1e3, prefill.submit_prefill, job)
+            flight.read_ms = self.calibration.read_ms(remote, "d_to_p")
+            self.at(self.now + flight.read_ms / 1e3, worker.submit_prefill, job)
         else:
-            prefill.submit_prefill(job)
+            worker.submit_prefill(job)
 
-    def _prefilled(self, index: int, state: SessionState, turn: TurnDemand, result: TurnResult, now: float) -> None:
-        conversation = state.session.conversation_id
+    def _prefilled(self, job: Job, now: float) -> None:
+        """P has answered: the router learns from its report and sends the turn on to a decode worker."""
+        flight = job.flight
+        turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
-            self.prefill_cache[index].store(conversation, self._blocks(turn.prompt_tokens))
+            self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
+        self.router_prefill.release(flight.claim, flight.prefill)
+        self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
+        flight.prefill_compute_ms = job.compute_ms
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
-        if holder is None or self.decode[holder].in_flight >= self.deployment.max_in_flight_per_decode:
-            holder = min(self.decode, key=LOAD).index
-        cached = self._reusable(turn, self.decode_cache[holder].hit(conversation))
-        first_token_s = now + self.calibration.read_ms(turn.prompt_tokens - cached, "p_to_d") / 1e3
-        self.costs.prefill_request_ms.add((now - result.arrival_s) * 1e3)
-        self.at(first_token_s, self._decode_on, holder, state, turn, result)
+        if holder is None or self.router_decode.workers[holder].in_flight >= self.deployment.max_in_flight_per_decode:
+            holder = self.router_decode.least_loaded()
+        flight.decode = holder
+        flight.claim = self.router_decode.claim(holder)
+        read = turn.prompt_tokens - min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
+        if self.deployment.first_token_ahead:
+            self._first_token(flight, now, job.compute_ms + flight.read_ms)
+        self.at(now + self.calibration.read_ms(read, "p_to_d") / 1e3, self._decode_on, flight, read)
 
-    def _decode_on(self, decode: int, state: SessionState, turn: TurnDemand, result: TurnResult) -> None:
-        self._first_token(result, self.now)
-        job = Job(0, turn.prompt_tokens, turn.output_tokens - 1,
-                  on_finished=lambda now: self._turn_done(state, decode, turn, result))
-        self.decode[decode].submit_decode(job)
+    def _decode_on(self, flight: Flight, read: int) -> None:
+        """D has read the prompt's KV it lacked from P: it decodes."""
+        read_ms = self.calibration.read_ms(read, "p_to_d")
+        if not self.deployment.first_token_ahead:
+            self._first_token(flight, self.now, flight.prefill_compute_ms + flight.read_ms + read_ms)
+        job = Job(0, flight.turn.prompt_tokens, flight.turn.output_tokens - 1, flight, on_finished=self._decoded)
+        self.decode[flight.decode].submit_decode(job)
 
-    def _first_token(self, result: TurnResult, now: float) -> None:
-        result.ttft_ms = (now - result.arrival_s) * 1e3
+    def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
+        ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
+        if flight.choice is not None:
+            self.costs.observe_turn(flight.choice, ttft_ms, explained_ms)
+
+    def _decoded(self, job: Job, now: float) -> None:
+        flight = job.flight
+        if flight.claim is not None:
+            self.router_decode.release(flight.claim, flight.decode)
+        self._turn_done(flight)
 
     # ---- retention
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:

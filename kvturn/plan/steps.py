@@ -8,16 +8,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+def _nothing(job: "Job", now: float) -> None:
+    pass
+
+
 @dataclass(slots=True, eq=False)  # a job is itself, whatever its counts
 class Job:
     """One request on one worker: `prefill_tokens` to compute after `context` tokens of KV it already has, then
-    `decode_steps` tokens to generate."""
+    `decode_steps` tokens to generate; the callbacks are told the job and the time."""
     prefill_tokens: int
     context: int
     decode_steps: int
-    on_first_token: Callable[[float], None] = lambda now: None
-    on_finished: Callable[[float], None] = lambda now: None
+    flight: object = None  # the turn it serves
+    on_first_token: Callable[["Job", float], None] = _nothing
+    on_finished: Callable[["Job", float], None] = _nothing
     joined_step: int = 0
+    compute_ms: float = 0.0  # of the steps that computed its prompt, as the engine reports a prefill's time
 
     @property
     def prompt_tokens(self) -> int:
@@ -49,6 +55,7 @@ class StepLoop:
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     busy: bool = False
+    token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
     _versions: int = 0
 
@@ -73,7 +80,7 @@ class StepLoop:
 
     def _finish(self, job: Job, now: float) -> None:
         self.in_flight -= 1
-        job.on_finished(now)
+        job.on_finished(job, now)
 
     def _wake(self) -> None:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
@@ -86,7 +93,8 @@ class StepLoop:
     def _segment_ms(self, count: int, batch: int, context: int) -> float:
         """`count` decode steps of `batch` requests; the context grows by `batch` tokens a step."""
         a, b, k = self.sim.calibration.decode_step_fit
-        a += self.sim.contention(self)[1]
+        if self.sim.shared_cores:
+            a += self.sim.contention(self)[1]
         return count * (a + b * batch) + k * (count * context + batch * count * (count - 1) / 2) / 1e3
 
     def _cut_segment(self) -> None:
@@ -121,7 +129,7 @@ class StepLoop:
             return
         budget = self.max_num_batched_tokens - batch
         chunks, ms = [], self._segment_ms(1, batch, self.context) if batch else 0.0
-        slowdown = self.sim.contention(self)[0]
+        slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
         for job in self.prefilling:
             if budget <= 0:
                 break
@@ -129,17 +137,20 @@ class StepLoop:
             ms += self.sim.calibration.prefill_ms(n, job.context, self.kind) * slowdown
             chunks.append((job, n))
             budget -= n
-        self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch)
+        self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
-    def _end_prefill_step(self, chunks: list, batch: int) -> None:
+    def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
         now = self.sim.now
+        if batch and self.token_gaps_ms is not None:
+            self.token_gaps_ms.append(ms)
         self._advance(1 if batch else 0, batch, now)
         for job, n in chunks:
             job.prefill_tokens -= n
             job.context += n
+            job.compute_ms += ms
             if job.prefill_tokens == 0:
                 self.prefilling.remove(job)
-                job.on_first_token(now)
+                job.on_first_token(job, now)
                 job.decode_steps -= 1  # the prefill's own step sampled the first token
                 self._start_decode(job, now)
         self._step()
@@ -149,6 +160,9 @@ class StepLoop:
         if seg is None or version != seg.version:
             return
         self.segment = None
+        gaps = self.token_gaps_ms
+        if gaps is not None:  # the router sees the steps as gaps between streamed tokens
+            gaps.extend([(self.sim.now - seg.start_s) * 1e3 / seg.count] * min(seg.count, gaps.maxlen))
         self._advance(seg.count, seg.batch, self.sim.now)
         self._step()
 
