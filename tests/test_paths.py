@@ -53,9 +53,33 @@ def test_the_cost_model_learns_from_worker_reports():
     model = CostModel()
     report = {"prompt_tokens_computed": 100, "prompt_tokens_cached": 0, "prompt_tokens_remote": 4096,
               "kv_read_bytes": 16 * 2**20, "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 4.0}}
-    model.observe_prefill("prefill", report)
+    for _ in range(paths.MIN_SAMPLES):
+        model.observe_prefill("prefill", report)
     assert model.read_ms_per_mib.value == pytest.approx(0.25)
     assert model.bytes_per_token.value == pytest.approx(4096)
+
+
+def test_the_decode_workers_slow_reads_of_new_blocks_do_not_price_the_history_pull():
+    model = CostModel()
+    pulled = {"prompt_tokens_computed": 100, "prompt_tokens_remote": 4096, "kv_read_bytes": 16 * 2**20,
+              "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 8.0}}
+    handed = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 4096, "prompt_tokens_remote": 128,
+              "kv_read_bytes": 2**19, "timing": {"kv_read_ms": 60.0}}  # waited for D's step under way
+    for _ in range(paths.MIN_SAMPLES):
+        model.observe_prefill("prefill", pulled)
+        model.observe_prefill("decode", handed)
+    assert model.read_ms(4096) == pytest.approx(8.0)
+    assert model.read_ms(128, "p_to_d") == pytest.approx(60.0)
+
+
+def test_one_compute_fit_covers_a_prompt_from_scratch_and_new_tokens_on_a_long_history():
+    fit = ComputeFit(paths.PRIOR)
+    # Reading the cached context costs more per pair of tokens than the new tokens' attention among themselves.
+    truth = lambda n, c: 4.0 + 0.1 * n + 0.09 * n * c / 1e3 + 0.015 * n * n / 2e3  # noqa: E731
+    for n, c in [(4000, 0), (300, 4000), (150, 5000), (400, 3000), (250, 6000), (3000, 0), (350, 4500)] * 3:
+        fit.add(n, c, truth(n, c))
+    for n, c in [(5000, 0), (200, 7000), (120, 3000)]:
+        assert fit.predict(n, c) == pytest.approx(truth(n, c), rel=0.15)
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +108,18 @@ def test_a_worker_slower_than_predicted_still_owes_all_the_work_it_has_not_begun
     first, _ = WorkerPool.claim(worker, 300.0), WorkerPool.claim(worker, 200.0)
     came = min(t for _, t in worker.pending.values())
     assert worker.backlog_ms(came + 1.0) == 0.0  # a second on: by the prediction, both are done
-    first.work_done()  # but the first took that second: the other has not begun
-    assert worker.backlog_ms(worker.last_done) == pytest.approx(200.0)
+    first.work_done(came + 1.0)  # but the first took that second: the other has not begun
+    assert worker.backlog_ms(worker.last_done) >= 200.0
+
+
+def test_a_worker_slower_than_predicted_is_expected_to_stay_as_slow_on_what_it_holds():
+    from kvturn.router.workers import WorkerPool
+    worker = WorkerPool(["http://p"], "prefill").workers[0]
+    first, _ = WorkerPool.claim(worker, 300.0), WorkerPool.claim(worker, 200.0)
+    came = min(t for _, t in worker.pending.values())
+    first.work_done(came + 0.6)  # twice as long as predicted (another prompt shared its steps)
+    assert worker.pace == pytest.approx(2.0)
+    assert worker.backlog_ms(worker.last_done + 0.1) == pytest.approx(2 * 200.0 - 100.0)
 
 
 def test_work_queued_on_the_prefill_worker_makes_the_turn_compute_on_decode():
@@ -125,7 +159,7 @@ def test_a_workers_backlog_is_the_predicted_work_it_holds_less_what_it_did_since
     first, second = pool.claim(worker, 300.0), pool.claim(worker, 200.0)
     came = min(t for _, t in worker.pending.values())
     assert worker.backlog_ms(came + 0.1) == pytest.approx(400.0, abs=1.0)
-    first.work_done()  # its prompt is done; it still holds the worker (decoding)
+    first.work_done(came + 0.3)  # its prompt is done, as fast as predicted; it still holds the worker (decoding)
     assert worker.in_flight == 2 and worker.backlog_ms(worker.last_done + 0.05) == pytest.approx(150.0, abs=1.0)
     second.release()
     first.release()

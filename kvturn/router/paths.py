@@ -18,6 +18,7 @@ EXPLORE_EVERY = 16  # adaptive: a path not taken for this many turns is taken on
 EXPLORE_WITHIN = 1.5  # ...if its predicted cost is at most this many times the best path's
 FORGET = 0.97  # a compute fit weighs its earlier samples down by this at each new one (~30 recent samples count)
 SHARED_FRACTION = 0.1  # a prefill whose steps computed more than this share of other prompts' tokens was batched
+PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
 
 
 def shared_steps(report: dict) -> bool:
@@ -29,30 +30,41 @@ def shared_steps(report: dict) -> bool:
 
 
 class ComputeFit:
-    """ms to compute `n` new tokens after `context` cached ones: a + b*n + k*n*(context + n/2), the last term
-    for attention, which grows with the tokens attended to. A least-squares fit that weighs recent samples most
-    (a worker's speed changes with what shares its cores), pulled towards the prior (ridge) so that a few
-    samples of one shape cannot make it extrapolate wildly."""
-    SCALE = np.array([1.0, 1e3, 1e4])  # typical size of each feature, so the pull is alike for all three
+    """ms to compute `n` new tokens after `context` cached ones: a + b*n + c*n*context + q*n*n/2. The last two are
+    attention: the new tokens' reads of the cached context (through the block table, dearer per pair than) the
+    new tokens' causal attention among themselves, so that one fit covers a prompt computed from scratch and a
+    few hundred tokens on top of a long retained history. A least-squares fit that weighs recent samples most (a
+    worker's speed changes with what shares its cores), pulled towards the prior (ridge) so that a few samples
+    of one shape cannot make it extrapolate wildly: a run of turns on top of a history teaches q nothing, and q
+    stays near its prior."""
+    SCALE = np.array([1.0, 1e3, 1e4, 1e4])  # typical size of each term, so the pull is alike for all four
     RIDGE = 0.03  # weak: the samples of one run span too few shapes to outvote a stronger pull to the prior
 
-    def __init__(self, prior: tuple[float, float, float]):
+    def __init__(self, prior: tuple[float, ...]):
+        """`prior`: (a, b, c, q), or (a, b, k) for a + b*n + k*n*(context + n/2), that is c = q = k."""
+        if len(prior) == 3:
+            prior = (*prior, prior[2])
         self.samples = 0
         self.prior = np.array(prior, dtype=float)
         self.coefficients = self.prior.copy()
         self._stale = False
-        # The normal equations, decayed by FORGET at each sample: a turn's choice solves a 3x3 system instead of
+        # The normal equations, decayed by FORGET at each sample: a turn's choice solves a 4x4 system instead of
         # refitting every sample (which cost the router ~1 ms a turn at 256 samples).
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
 
     @staticmethod
     def _features(new_tokens: int, context: int) -> np.ndarray:
+        """The three terms of a + b*n + k*n*(context + n/2), the form kvturn/plan fits."""
         return np.array([1.0, float(new_tokens), new_tokens * (context + new_tokens / 2) / 1e3])
+
+    @staticmethod
+    def _terms(new_tokens: int, context: int) -> np.ndarray:
+        return np.array([1.0, float(new_tokens), new_tokens * context / 1e3, new_tokens * new_tokens / 2e3])
 
     def add(self, new_tokens: int, context: int, ms: float) -> None:
         if new_tokens > 0 and ms > 0:
-            x = self._features(new_tokens, context) / self.SCALE
+            x = self._terms(new_tokens, context) / self.SCALE
             self._gram = FORGET * self._gram + np.outer(x, x)
             self._moment = FORGET * self._moment + ms * x
             self.samples += 1
@@ -65,10 +77,10 @@ class ComputeFit:
     def predict(self, new_tokens: int, context: int) -> float:
         if self._stale:
             prior = self.prior * self.SCALE
-            solution = np.linalg.solve(self._gram + self.RIDGE * np.eye(3), self._moment + self.RIDGE * prior)
+            solution = np.linalg.solve(self._gram + self.RIDGE * np.eye(4), self._moment + self.RIDGE * prior)
             self.coefficients = np.maximum(solution, 0.0) / self.SCALE  # no negative cost per token
             self._stale = False
-        return float(self.coefficients @ self._features(new_tokens, context))
+        return float(self.coefficients @ self._terms(new_tokens, context))
 
 
 @dataclass(slots=True)
@@ -104,14 +116,20 @@ class Mean:
 class CostModel:
     def __init__(self):
         # Priors: a small model on a CPU core; replaced by measurements after a few turns.
-        self.prefill = {"prefill": ComputeFit((5.0, 0.12, 0.01)), "decode": ComputeFit((5.0, 0.12, 0.01))}
-        self.read_ms_per_mib = Mean(0.5)
+        self.prefill = {"prefill": ComputeFit(PRIOR), "decode": ComputeFit(PRIOR)}
+        # NIXL reads per direction: P's read of the history from D, and D's read of the new blocks from P, which
+        # waits for D's engine step under way and so costs far more per MiB than P's.
+        self.read_ms_per_mib = Typical(0.5)  # D->P
+        self.handoff_read_ms_per_mib = Typical(0.5)  # P->D; until one is measured, D->P's speed stands in
         self.bytes_per_token = Mean(4096.0)
         self.other_ms = {path: Typical(15.0 if path != COMPUTE_ON_DECODE else 5.0) for path in PATHS}
         self.tokens_per_char = Mean(0.3)
         # Tokens a byte of the messages added since the conversation's last turn makes: what the new turn computes
         # is a small difference of large counts, so it is estimated from the added bytes alone (see prompt_tokens).
         self.added_tokens_per_byte = Mean(0.3)
+        # Tokens at the end of the lease that the next prompt does not share (its last blocks: the answer's last
+        # tokens, written into the prompt, tokenize otherwise): those are computed again, whatever the path.
+        self.unshared_tail_tokens = Typical(0.0)
         self.prefill_request_ms = Typical(100.0)  # a prefill worker's round trip: what each queued request adds
         # Measured / modelled compute and transfer of each path's recent turns: what the fits, smooth over all
         # shapes of turn, miss for this path's own (contention on shared cores, for one).
@@ -158,8 +176,19 @@ class CostModel:
         if known_tokens and prompt_bytes > known_bytes and prompt_tokens >= known_tokens:
             self.added_tokens_per_byte.add((prompt_tokens - known_tokens) / (prompt_bytes - known_bytes))
 
-    def read_ms(self, tokens: int) -> float:
-        return tokens * self.bytes_per_token.value / 2**20 * self.read_ms_per_mib.value
+    def observe_reuse(self, leased_tokens: int, reused_tokens: int) -> None:
+        """Learn from a turn how much of its lease (`leased_tokens`) the new prompt really shared."""
+        if leased_tokens and 0 <= leased_tokens - reused_tokens < leased_tokens:
+            self.unshared_tail_tokens.add(leased_tokens - reused_tokens)
+
+    def reusable_tokens(self, leased_tokens: int) -> int:
+        return max(leased_tokens - round(self.unshared_tail_tokens.value), 0) if leased_tokens else 0
+
+    def read_ms(self, tokens: int, direction: str = "d_to_p") -> float:
+        per_mib = self.read_ms_per_mib.value
+        if direction == "p_to_d" and self.handoff_read_ms_per_mib.values:
+            per_mib = self.handoff_read_ms_per_mib.value
+        return tokens * self.bytes_per_token.value / 2**20 * per_mib
 
     def observe_prefill(self, role: str, report: dict) -> None:
         """Learn from a worker's `kvturn` report of one request."""
@@ -169,8 +198,9 @@ class CostModel:
         if not shared_steps(report):
             self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
         read_bytes, read_ms = report.get("kv_read_bytes") or 0, timing.get("kv_read_ms") or 0.0
-        if read_bytes >= 2**20 and read_ms > 0:
-            self.read_ms_per_mib.add(read_ms / (read_bytes / 2**20))
+        if read_bytes >= 2**18 and read_ms > 0:
+            (self.read_ms_per_mib if role == "prefill" else self.handoff_read_ms_per_mib).add(
+                read_ms / (read_bytes / 2**20))
         remote = report.get("prompt_tokens_remote") or 0
         if remote and read_bytes:
             self.bytes_per_token.add(read_bytes / remote)
@@ -199,6 +229,7 @@ class Estimate:
     other_ms: float  # the rest of its time to first token once its worker takes it up: hops, bookkeeping
     stall_ms: float  # what the path makes the decode worker's running requests wait, summed
     work_ms: float  # the compute and transfer this turn adds to its worker's queue
+    tokens_computed: int = 0  # the prompt tokens the path computes, as estimated
 
     @property
     def service_ms(self) -> float:
@@ -224,24 +255,25 @@ class PathChoice:
 
 def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
     """Each possible path's time to first token, the stall it inflicts on running decodes, and its work."""
-    new = max(turn.prompt_tokens - turn.retained_tokens, 1)
+    retained = model.reusable_tokens(turn.retained_tokens)
+    new = max(turn.prompt_tokens - retained, 1)
     queue = turn.prefill_backlog_ms
     if queue is None:
         queue = turn.prefill_in_flight * model.prefill_request_ms.value
-    handoff = 0.0 if turn.first_token_ahead else model.read_ms(new)  # D reads the new blocks before its token
+    handoff = 0.0 if turn.first_token_ahead else model.read_ms(new, "p_to_d")  # D reads the new blocks before its token
     full = model.compute_ms("prefill", turn.prompt_tokens, 0)
-    out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full)}
+    out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full, turn.prompt_tokens)}
     if turn.retained_tokens > 0:
-        pull = model.read_ms(turn.retained_tokens) + model.compute_ms("prefill", new, turn.retained_tokens)
-        out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull)
+        pull = model.read_ms(retained) + model.compute_ms("prefill", new, retained)
+        out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull, new)
     if turn.retained_tokens > 0 and turn.decode_available:
         # D's measured compute of a prompt includes the decodes it shares its step with; before that step the
         # turn waits for the one under way, half a step on average.
-        on_decode = model.compute_ms("decode", new, turn.retained_tokens)
+        on_decode = model.compute_ms("decode", new, retained)
         step_wait = turn.decode_step_ms / 2 if turn.decode_running else 0.0
         out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + step_wait, on_decode,
                                           model.other_ms[COMPUTE_ON_DECODE].value, on_decode * turn.decode_running,
-                                          on_decode)
+                                          on_decode, new)
     return out
 
 

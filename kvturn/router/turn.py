@@ -120,12 +120,14 @@ class Turn(Streaming):
         prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
                                                                    "prompt_tokens_remote"))
         costs.observe_prompt(self.prompt_size, prompt_tokens, *self.known_history())
+        costs.observe_reuse(self.known_history()[1], (decode or {}).get("prompt_tokens_cached") or 0)
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:
             self.router.metrics.prediction_error.labels(choice.path).observe(abs(predicted - actual) / actual)
         return {"chosen": choice.path, "policy": self.router.config.path_policy,
                 "predicted_ttft_ms": {p: round(ms, 2) for p, ms in choice.predicted_ms.items()},
                 "predicted_queue_ms": round(choice.estimate.queue_ms, 2),
+                "predicted_tokens_computed": choice.estimate.tokens_computed,
                 "actual_ttft_ms": round(actual, 2), "other_ms": round(max(actual - explained, 0.0), 2),
                 "stall_ms": round(choice.stall_ms, 2)}
 
