@@ -33,6 +33,12 @@ class Calibration:
         a, b, k = self.compute_fits.get(worker) or self.compute_fits["prefill"]
         return a + b * new_tokens + k * new_tokens * (context + new_tokens / 2) / 1e3 if new_tokens > 0 else 0.0
 
+    def step_prefill_ms(self, chunks: list[tuple[int, int]], worker: str = "prefill") -> float:
+        """One engine step computing each (new tokens, context) chunk: the fixed cost once for the step, the
+        per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
+        a, b, k = self.compute_fits.get(worker) or self.compute_fits["prefill"]
+        return a + sum(b * n + k * n * (context + n / 2) / 1e3 for n, context in chunks) if chunks else 0.0
+
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
 

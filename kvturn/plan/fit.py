@@ -19,12 +19,25 @@ class CalibrationError(ValueError):
     pass
 
 
-def fit_compute(samples: list[tuple[int, int, float]]) -> tuple[float, float, float]:
+Chunks = tuple[tuple[int, int], ...]  # (new tokens, context) of each prompt computed in the same steps
+
+
+def features(chunks: Chunks) -> np.ndarray:
+    """The router's compute terms (`ComputeFit`'s) for prompts computed together: the fixed cost once, for the
+    steps they shared, the per-token and attention terms for each."""
+    total = np.zeros(3)
+    for new, context in chunks:
+        total += ComputeFit._features(new, context)
+    total[0] = 1.0
+    return total
+
+
+def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, float]:
     """The router's compute model (`ComputeFit`'s terms), fitted to relative error: most turns of an agent compute
     a few hundred tokens, and an absolute fit would let the few long first prompts decide their cost. A coefficient
     that comes out negative is dropped and the rest refitted (no negative cost per token)."""
-    x = np.array([ComputeFit._features(new, context) for new, context, _ in samples])
-    y = np.array([ms for _, _, ms in samples])
+    x = np.array([features(chunks) for chunks, _ in samples])
+    y = np.array([ms for _, ms in samples])
     active = [0, 1, 2]
     while active:
         solution, *_ = np.linalg.lstsq(x[:, active] / y[:, None], np.ones(len(y)), rcond=None)
@@ -36,18 +49,8 @@ def fit_compute(samples: list[tuple[int, int, float]]) -> tuple[float, float, fl
     return tuple(float(c) for c in coefficients)
 
 
-def predict_compute(coefficients, new: int, context: int) -> float:
-    return float(np.dot(coefficients, ComputeFit._features(new, context)))
-
-
-def _shared_steps(leg_rows: list[Row]) -> set[float]:
-    """Prefill times reported by more than one request: prompts computed in the same steps each report the
-    steps' whole time, which says nothing of one prompt's cost."""
-    seen: dict[float, int] = {}
-    for row in leg_rows:
-        key = round(row.prefill_compute_ms, 1)
-        seen[key] = seen.get(key, 0) + 1
-    return {key for key, count in seen.items() if count > 1}
+def predict_compute(coefficients, chunks: Chunks) -> float:
+    return float(np.dot(coefficients, features(chunks)))
 
 
 def _new_tokens_on_decode(row: Row, previous: Row | None) -> int | None:
@@ -58,34 +61,38 @@ def _new_tokens_on_decode(row: Row, previous: Row | None) -> int | None:
     return row.input_tokens - retained if 0 < retained < row.input_tokens else None
 
 
-def compute_samples(by_leg: dict[str, list[Row]]) -> dict[str, list[tuple[int, int, float, float]]]:
-    """(new tokens, context, ms, share of the time the other role was busy) per kind of worker, one prompt at a
-    time."""
-    samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
+def compute_samples(by_leg: dict[str, list[Row]]) -> dict[str, list[tuple[Chunks, float, float]]]:
+    """(the prompts computed together, ms, share of the time the other role was busy) per kind of worker. Prompts
+    computed in the same steps each report the steps' whole time: those reporting the same time make one sample."""
+    grouped: dict[tuple, list] = {}
     for leg, leg_rows in by_leg.items():
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
-        shared = _shared_steps(leg_rows)
         decoding = [decode_interval(r) for r in leg_rows]
         previous: dict[str, Row] = {}
         for row in sorted(leg_rows, key=lambda r: (r.conversation_id, r.turn)):
-            if row.computed and row.prefill_compute_ms > 0 and round(row.prefill_compute_ms, 1) not in shared:
+            if row.computed and row.prefill_compute_ms > 0:
                 busy = 0.0 if colocated else busy_share(prefill_interval(row), decoding, decode_interval(row))
-                samples["colocated" if colocated else "prefill"].append(
-                    (row.computed, row.input_tokens - row.computed, row.prefill_compute_ms, busy))
+                key = ("colocated" if colocated else "prefill", leg, round(row.prefill_compute_ms, 1))
+                grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
-                samples["decode"].append((new, row.input_tokens - new, row.decode_compute_ms, 0.0))
+                key = ("decode", leg, round(row.decode_compute_ms, 1))
+                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0))
             previous[row.conversation_id] = row
+    samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
+    for (kind, _, ms), prompts in grouped.items():
+        chunks = tuple((new, context) for new, context, _ in prompts)
+        samples[kind].append((chunks, ms, max(busy for _, _, busy in prompts)))
     return samples
 
 
-def fit_with_contention(points: list[tuple[int, int, float, float]]) -> tuple[tuple, float]:
-    """(compute fit of the prompts computed alone, the median share by which the others' time grew per unit of
-    the time the other role was busy)."""
-    quiet = [p for p in points if p[3] < QUIET_SHARE]
-    base = fit_compute([p[:3] for p in (quiet if len(quiet) >= MIN_FIT_SAMPLES else points)])
-    growth = [(ms / predict_compute(base, new, context) - 1) / busy for new, context, ms, busy in points
-              if busy >= 1 - QUIET_SHARE and predict_compute(base, new, context) > 0]
+def fit_with_contention(points: list[tuple[Chunks, float, float]]) -> tuple[tuple, float]:
+    """(compute fit of the prompts computed with the other role quiet, the median share by which the others' time
+    grew per unit of the time the other role was busy)."""
+    quiet = [p for p in points if p[2] < QUIET_SHARE]
+    base = fit_compute([p[:2] for p in (quiet if len(quiet) >= MIN_FIT_SAMPLES else points)])
+    growth = [(ms / predict_compute(base, chunks) - 1) / busy for chunks, ms, busy in points
+              if busy >= 1 - QUIET_SHARE and predict_compute(base, chunks) > 0]
     return base, float(np.clip(np.median(growth), 0.0, MAX_SLOWDOWN)) if growth else 0.0
 
 
@@ -156,7 +163,7 @@ def fitted(results: dict, source: str = "") -> dict:
         raise CalibrationError(f"too few requests with a measured prefill on a prefill worker to fit the compute "
                                f"time (need {MIN_FIT_SAMPLES}): run at least one P/D leg")
     prefill_fit, slowdown = fit_with_contention(samples["prefill"])
-    fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:3] for p in points]) for kind, points in samples.items()
+    fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:2] for p in points]) for kind, points in samples.items()
                                        if kind != "prefill" and len(points) >= MIN_FIT_SAMPLES}}
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
     if not per_token:

@@ -22,12 +22,16 @@ class Row:
     bytes_d_to_p: int
     bytes_p_to_d: int
     tokens_from_decode: int
+    first_token_ahead: bool = False  # the router sent P's token ahead: D's read and compute are not in the TTFT
+
+    @property
+    def d_part_of_ttft_ms(self) -> float:
+        return 0.0 if self.first_token_ahead else self.decode_compute_ms + self.p_to_d_ms
 
     @property
     def other_ms(self) -> float:
         """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms)."""
-        return max(self.ttft_ms - self.prefill_compute_ms - self.decode_compute_ms - self.d_to_p_ms - self.p_to_d_ms,
-                   0.0)
+        return max(self.ttft_ms - self.prefill_compute_ms - self.d_to_p_ms - self.d_part_of_ttft_ms, 0.0)
 
 
 def _row(leg: str, r: dict) -> Row | None:
@@ -41,7 +45,8 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("output_num_tokens") or 1,
                r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
                r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
-               r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0)
+               r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
+               r.get("first_token_from") == "prefill")
 
 
 def rows_of(results: dict) -> list[Row]:
@@ -58,9 +63,9 @@ def decode_interval(row: Row) -> tuple[float, float]:
 
 
 def prefill_interval(row: Row) -> tuple[float, float]:
-    """When the prompt was computed: just before the KV went to the decode worker."""
-    end = row.start_ms + row.ttft_ms - row.p_to_d_ms
-    return end - row.prefill_compute_ms - row.decode_compute_ms, end
+    """When the prompt was computed: just before its first token (or before the KV went to the decode worker)."""
+    end = row.start_ms + row.ttft_ms - row.d_part_of_ttft_ms
+    return end - row.prefill_compute_ms - (0.0 if row.first_token_ahead else row.decode_compute_ms), end
 
 
 def busy_share(interval: tuple[float, float], others: list[tuple[float, float]],

@@ -128,15 +128,16 @@ class StepLoop:
             self.busy = False
             return
         budget = self.max_num_batched_tokens - batch
-        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch else 0.0
+        # The decode fit is D's measured compute of a prompt, which holds the decodes sharing its steps already.
+        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and self.kind != "decode" else 0.0
         slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
         for job in self.prefilling:
             if budget <= 0:
                 break
             n = min(job.prefill_tokens, budget)
-            ms += self.sim.calibration.prefill_ms(n, job.context, self.kind) * slowdown
             chunks.append((job, n))
             budget -= n
+        ms += self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind) * slowdown
         self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
     def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
