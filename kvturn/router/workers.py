@@ -27,31 +27,21 @@ class WorkerState:
     pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
     token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
     last_done: float = 0.0  # when a request's predicted work was last done: the worker then took up the others
-    served: deque = field(default_factory=lambda: deque(maxlen=16))  # (ms it took, ms predicted) of recent requests
 
     @property
     def step_ms(self) -> float:
         """How long one of its engine steps takes now (the median recent gap between two streamed tokens)."""
         return statistics.median(self.token_gaps_ms) if self.token_gaps_ms else 0.0
 
-    @property
-    def pace(self) -> float:
-        """How long its recent requests took against their predicted work: above 1 while something the model
-        does not see (a batch, a neighbour on its cores) slows the worker down."""
-        took, predicted = sum(t for t, _ in self.served), sum(p for _, p in self.served)
-        return min(max(took / predicted, 0.5), 4.0) if predicted > 0 else 1.0
-
     def backlog_ms(self, now: float | None = None) -> float:
         """Predicted work the worker has still to do before a request sent now gets its turn: what the
-        requests it holds were predicted to cost, at the pace it has kept lately, less what it can have done on
-        them since it took them up (when the oldest came, or when the last one before them was done, whichever
-        is later)."""
+        requests it holds were predicted to cost, less what it can have done on them since it took them up (when
+        the oldest came, or when the last one before them was done, whichever is later)."""
         if not self.pending:
             return 0.0
         now = time.perf_counter() if now is None else now
         started = max(min(came for _, came in self.pending.values()), self.last_done)
-        owed = sum(ms for ms, _ in self.pending.values()) * self.pace
-        return max(owed - max(now - started, 0.0) * 1e3, 0.0)
+        return max(sum(ms for ms, _ in self.pending.values()) - max(now - started, 0.0) * 1e3, 0.0)
 
 
 @dataclass(slots=True)
@@ -60,14 +50,10 @@ class Claim:
     worker: WorkerState
     released: bool = field(default=False)
 
-    def work_done(self, now: float | None = None) -> None:
+    def work_done(self) -> None:
         """The request's predicted work (its prompt) is done, though the request may go on (decoding)."""
-        work = self.worker.pending.pop(id(self), None)
-        if work is not None:
-            predicted_ms, came = work
-            now = time.perf_counter() if now is None else now
-            self.worker.served.append(((now - max(came, self.worker.last_done)) * 1e3, predicted_ms))
-            self.worker.last_done = now
+        if self.worker.pending.pop(id(self), None) is not None:
+            self.worker.last_done = time.perf_counter()
 
     def release(self) -> None:
         if not self.released:
