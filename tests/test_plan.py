@@ -11,8 +11,9 @@ from chat import conversation
 from kvturn.bench.compare import LEGS
 from kvturn.cli import app
 from kvturn.launch import LocalStack
-from kvturn.plan import calibration, planner, report, trace
+from kvturn.plan import calibration, fit, planner, report, trace
 from kvturn.plan.predict import simulate
+from kvturn.plan.rows import Row
 from kvturn.plan.sim import Deployment, RouterPool
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
 
@@ -103,6 +104,18 @@ def test_calibration_fits_the_checked_in_bench_run_and_round_trips(cost_model, t
         json.loads(FIXTURE.read_text())["legs"])
     again = calibration.load(cost_model.save(tmp_path / "calibration.json"))
     assert again == cost_model
+
+
+def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():
+    def row(conversation: str, start_ms: float, tokens: int, compute_ms: float) -> Row:
+        return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, tokens, 8, 6.0,
+                   tokens, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
+    rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0)]
+    samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
+    assert sorted((chunks, ms) for chunks, ms, _ in samples) == [(((500, 0),), 90.0), (((1000, 0), (2000, 0)), 300.0)]
+    terms = a, b, k = (10.0, 0.1, 0.05)
+    together = fit.predict_compute(terms, ((1000, 0), (2000, 0)))
+    assert together == pytest.approx(a + b * 3000 + k * (1000 * 500 + 2000 * 1000) / 1e3)
 
 
 def test_a_zero_ttl_never_reuses_and_a_recompute_leg_retains_nothing(cost_model):

@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from kvturn.bench.compare import LEGS
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
