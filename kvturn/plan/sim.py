@@ -96,8 +96,11 @@ def router_cost_model(calibration: Calibration) -> paths.CostModel:
         for new, context in FIT_POINTS:
             fit.add(new, context, max(fit.predict(new, context), 1e-3))
         model.prefill[role] = fit
-    model.read_ms_per_mib = paths.Mean(calibration.read_ms_per_mib["d_to_p"])
-    model.bytes_per_token = paths.Mean(calibration.kv_bytes_per_token)
+    for measured, value in ((model.read_ms_per_mib, calibration.read_ms_per_mib["d_to_p"]),
+                            (model.handoff_read_ms_per_mib, calibration.read_ms_per_mib["p_to_d"]),
+                            (model.bytes_per_token, calibration.kv_bytes_per_token)):
+        for _ in range(paths.MIN_SAMPLES):
+            measured.add(value)
     for path, leg in ((paths.RECOMPUTE, "pd/P-cache-off"), (paths.PULL, "bidir/P-cache-off"),
                       (paths.COMPUTE_ON_DECODE, "compute-on-D")):
         model.other_ms[path] = paths.Typical(calibration.other(leg))
