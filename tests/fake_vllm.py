@@ -13,7 +13,8 @@ request, so a test can change it between requests:
     {"record": true,          append every POST (path and body) to LOG as one JSON line
      "fail_reads": 500,       answer this status to a prefill asked to read a decode worker's blocks (vLLM's P with
                               kv_load_failure_policy=fail when the handle expired or D is unreachable)
-     "stream_kv_params": true} a streamed decode's last chunk carries kv_transfer_params (vLLM after 0.32)
+     "stream_kv_params": true, a streamed decode's last chunk carries kv_transfer_params (vLLM after 0.32)
+     "garbled_decode": true}  a decode answers 200 with a body that is not JSON (a broken worker or proxy)
 """
 import itertools
 import json
@@ -84,6 +85,8 @@ def build_app(port: int, config_path: Path, log_path: Path, model_dir: Path):
                                  "remote_prefill_cached_tokens": loaded}})
 
     def decode(ids: list[int], body: dict, chat: bool, script: dict) -> Response:
+        if script.get("garbled_decode"):
+            return Response(b"<html>upstream went away</html>", media_type="application/json")
         answer = answer_ids[:body.get("max_completion_tokens") or body.get("max_tokens") or 16]
         kv = params(len(ids) + len(answer) - 1, "decode")
         if not body.get("stream"):

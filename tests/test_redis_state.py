@@ -1,5 +1,6 @@
 """The conversation table and the worker registry in Redis, against a real redis-server of the test's own."""
 import asyncio
+import json
 import random
 import shutil
 import time
@@ -53,6 +54,22 @@ def test_put_then_lookup_and_drop(url):
         assert why is None and found.decode_url == "http://d" and found.order == 3 and found.kv_params["handle"] == "h"
         await table.drop("public:a")
         assert await table.lookup("public:a") == (None, None)
+    with_table(url, scenario)
+
+
+def test_entries_of_another_router_version_are_read_or_ignored_never_a_failure(url):
+    """Replicas are upgraded one at a time: an entry with a field this version does not know is read without it,
+    and one that is not an entry at all is a miss (the turn recomputes), not an error."""
+    store = redis.Redis.from_url(url)
+
+    async def scenario(table):
+        await table.put(entry("public:newer", order=2))
+        name = table._conversation_prefix + "public:newer"
+        store.hset(name, "entry", json.dumps({**json.loads(store.hget(name, "entry")), "field_of_a_later_version": 1}))
+        found, why = await table.lookup("public:newer")
+        assert why is None and found.order == 2
+        store.hset(table._conversation_prefix + "public:broken", "entry", json.dumps({"key": 1}))
+        assert await table.lookup("public:broken") == (None, None)
     with_table(url, scenario)
 
 

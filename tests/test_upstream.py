@@ -103,3 +103,53 @@ def test_silence_past_the_timeout_is_unreachable():
             await client.post(url + "/v1/completions", b"{}")
     with pytest.raises(Unreachable):
         run(with_client(test, timeout_s=0.3))
+
+
+def test_redirect_is_not_followed():
+    """A worker (or whatever answers at its address) cannot send the cluster secret and the history elsewhere."""
+    seen = []
+
+    async def test(client):
+        other, other_url = await serve(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        seen.append(other)
+        redirect, url = await serve(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: " + other_url.encode() +
+                                    b"/steal\r\nContent-Length: 0\r\n\r\n")
+        async with redirect, other:
+            return await client.post(url + "/v1/completions", b'{"messages": "secret history"}')
+    with pytest.raises(Unreachable, match="redirect"):
+        run(with_client(test))
+
+
+def test_worker_that_stops_reading_the_request_is_unreachable():
+    """A body larger than the socket buffers to a worker that never reads: given up after the timeout without
+    progress, not held forever (aiohttp itself times only the answer)."""
+    async def test(client):
+        async def never_read(reader, writer):
+            await asyncio.sleep(30)
+        server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server:
+            started = asyncio.get_running_loop().time()
+            try:
+                await client.post(url + "/v1/completions", b"x" * (32 << 20))
+            finally:
+                elapsed = asyncio.get_running_loop().time() - started
+        return elapsed
+    with pytest.raises(Unreachable):
+        run(asyncio.wait_for(with_client(test, timeout_s=0.5), 20))
+
+
+def test_line_past_the_limit_is_unreachable():
+    from kvturn.router.upstream import MAX_LINE
+    body = b"data: " + b"7" * (MAX_LINE + 10) + b"\n\n"
+
+    async def test(client):
+        server, url = await serve(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        async with server:
+            stream = await client.open(url + "/v1/completions", b"{}")
+            try:
+                return [line async for line in stream.lines()]
+            finally:
+                await stream.close()
+    with pytest.raises(Unreachable, match="longer than"):
+        run(with_client(test))

@@ -2,6 +2,7 @@
 vLLM's shapes: what the router does around them, without vLLM's venv (`make test-vllm` runs the real thing)."""
 from contextlib import contextmanager
 
+import httpx
 import pytest
 
 from chat import SYSTEM, metric, send, user_message
@@ -64,6 +65,19 @@ def test_prefill_failing_on_decode_params_is_retried_without_them_and_the_client
         // 128 * 128
     assert without["remote_block_ids"] is None and "remote_num_tokens" not in without
     assert retries == 1
+
+
+def test_a_decode_answer_that_is_not_json_is_a_502_in_openai_shape(workers, tmp_path):
+    _, decode = workers
+    decode.configure({"garbled_decode": True})
+    with router(workers, tmp_path) as url:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, user_message(0)]
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                              json={"model": "tiny", "messages": messages, "max_tokens": 4})
+        errors = metric(url, "kvturn_router_requests_total", '{outcome="decode_error"}')
+    assert response.status_code == 502
+    assert response.json()["error"]["message"] == "the decode worker's answer is not a JSON object"
+    assert errors == 1
 
 
 def reuse_of_three_turns(url: str, conversation_id: str) -> list[tuple]:

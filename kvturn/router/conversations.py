@@ -25,6 +25,12 @@ class Conversation:
     # counts only the bytes added since (paths.CostModel.prompt_tokens).
     history_bytes: int = 0
 
+    @classmethod
+    def from_fields(cls, fields: dict) -> "Conversation":
+        """An entry as a shared store kept it. Fields this version does not know are left out: a newer router
+        replica may have written them (replicas are upgraded one at a time)."""
+        return cls(**{name: fields[name] for name in cls.__dataclass_fields__ if name in fields})
+
 
 class ConversationTable:
     def __init__(self, ttl_s: float, max_entries: int, state_path: str | Path | None = None):

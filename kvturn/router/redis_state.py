@@ -93,7 +93,11 @@ class RedisConversationTable:
             return None, UNAVAILABLE
         if raw is None:
             return None, None
-        entry = Conversation(**json.loads(raw))
+        try:
+            entry = Conversation.from_fields(json.loads(raw))
+        except (TypeError, ValueError):  # not an entry any version of the router wrote: no reuse this turn
+            log.warning("conversation entry %s in the shared store is malformed; ignoring it", key)
+            return None, None
         if entry.expires_at <= time.time():
             return None, "expired"
         return entry, None

@@ -20,6 +20,15 @@ log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
 
 
+def answer_object(content: bytes | str) -> dict | None:
+    """A worker's 200 answer as the JSON object it must be; None if it is anything else."""
+    try:
+        result = fast_json.loads(content)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
 class Turn(Streaming):
     def __init__(self, router, path: str, chat: bool, body: dict, conversation: ConversationKey | None,
                  history: History | None, want_kv: bool):
@@ -210,7 +219,8 @@ class Turn(Streaming):
                 content = await response.read()
             except Unreachable:
                 content = b""
-            await response.close()
+            finally:
+                await response.close()
             return self.decode_refused(content, response.status)
 
     def decode_request(self, worker: WorkerState, d_body: dict) -> tuple[str, bytes]:
@@ -295,13 +305,20 @@ class Turn(Streaming):
     async def read(self, response: Stream) -> bytes:
         return await response.read()
 
+    def unreadable_answer(self) -> Response:
+        """D said 200 but its answer is not a JSON object: nothing to pass on."""
+        self.router.metrics.requests.labels("decode_error").inc()
+        return error_response(502, "the decode worker's answer is not a JSON object")
+
     async def complete_decode(self, d_body: dict) -> Response:
         router = self.router
         answered = await self.decode_answer(d_body)
         if isinstance(answered, Response):
             return answered
         worker, content = answered
-        result = fast_json.loads(content)
+        result = answer_object(content)
+        if result is None:
+            return self.unreadable_answer()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")

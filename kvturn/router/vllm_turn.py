@@ -16,7 +16,7 @@ from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
 from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
-from kvturn.router.turn import Turn, UpstreamError
+from kvturn.router.turn import Turn, UpstreamError, answer_object
 from kvturn.router.upstream import Reply, Stream, Unreachable
 from kvturn.router.vllm_backend import endpoint
 from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
@@ -236,7 +236,9 @@ class VLLMTurn(Turn):
         worker, content = answered
         text = content.decode()
         rest, echoed = cut_int_list(text, "prompt_token_ids")
-        result = loads(text if self.wants_ids else rest)
+        result = answer_object(text if self.wants_ids else rest)
+        if result is None:
+            return self.unreadable_answer()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
         answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
