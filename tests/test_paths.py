@@ -168,6 +168,12 @@ def test_the_new_tokens_of_a_turn_are_estimated_from_the_bytes_added_since_its_l
     assert model.prompt_tokens(29_000, known_bytes=30_000, known_tokens=6_000) == whole - 600  # history edited
 
 
+def test_before_any_turn_on_a_lease_is_measured_the_added_bytes_make_tokens_at_the_first_prompts_rate():
+    model = CostModel()
+    model.observe_prompt(20_000, 4_400)  # a first turn: 0.22 tokens a byte
+    assert model.prompt_tokens(21_000, known_bytes=20_000, known_tokens=4_400) == 4_620
+
+
 def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
     model = CostModel()
     alone = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,

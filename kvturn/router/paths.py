@@ -165,7 +165,10 @@ class CostModel:
         the last answer) are known to make `known_tokens` (the decode worker's count): only the rest is estimated,
         so that a conversation whose text tokenizes unlike the average does not misjudge its new tokens."""
         if known_tokens and prompt_bytes >= known_bytes:
-            return known_tokens + round((prompt_bytes - known_bytes) * self.added_tokens_per_byte.value)
+            # Until a turn on top of a lease has been measured, the whole prompts' rate stands in for the prior.
+            added = self.added_tokens_per_byte
+            per_byte = added.value if added.values else self.tokens_per_char.value
+            return known_tokens + round((prompt_bytes - known_bytes) * per_byte)
         return round(prompt_bytes * self.tokens_per_char.value)
 
     def observe_prompt(self, prompt_bytes: int, prompt_tokens: int, known_bytes: int = 0,
