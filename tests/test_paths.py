@@ -156,6 +156,38 @@ def test_a_workers_backlog_is_the_predicted_work_it_holds_less_what_it_did_since
     assert worker.in_flight == 0 and worker.backlog_ms() == 0.0
 
 
+def test_a_request_that_fails_leaves_the_queue_without_making_it_look_fresh():
+    """A refusal or error ends its claim; unlike work done, it must not restart the clock of the work still
+    running, or a stream of bad requests would keep the worker looking busy."""
+    from kvturn.router.workers import WorkerPool
+    pool = WorkerPool(["http://p"], "prefill")
+    worker = pool.workers[0]
+    long = pool.claim(worker, 500.0)
+    came = worker.pending[id(long)][1]
+    refused = pool.claim(worker, 300.0)
+    refused.release()  # answered 400 at once
+    assert worker.last_done == 0.0 and worker.backlog_ms(came + 0.4) == pytest.approx(100.0, abs=1.0)
+    long.release()
+
+
+def test_a_reused_id_on_another_history_does_not_teach_the_token_rate():
+    model = CostModel()
+    model.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
+    before = model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
+    model.observe_prompt(20_001, 8_000, known_bytes=20_000, known_tokens=6_000)  # 2,000 tokens for 1 byte added
+    model.observe_prompt(40_000, 20, known_bytes=20_000, known_tokens=6_000)  # fewer tokens than the lease held
+    assert model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000) == before
+
+
+def test_one_stalled_sample_moves_the_compute_fit_only_so_far():
+    fit = ComputeFit(paths.PRIOR)
+    for _ in range(8):
+        fit.add(500, 4000, 50.0)
+    expected = fit.predict(500, 4000)
+    fit.add(500, 4000, 5000.0)  # the process was stopped for 5 s
+    assert fit.predict(500, 4000) < expected * 1.5
+
+
 def test_the_new_tokens_of_a_turn_are_estimated_from_the_bytes_added_since_its_lease():
     model = CostModel()
     for _ in range(8):  # turns of an average text: 0.3 tokens a byte, in the whole prompt and in what a turn adds

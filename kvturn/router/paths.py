@@ -18,6 +18,11 @@ EXPLORE_EVERY = 16  # adaptive: a path not taken for this many turns is taken on
 EXPLORE_WITHIN = 1.5  # ...if its predicted cost is at most this many times the best path's
 FORGET = 0.97  # a compute fit weighs its earlier samples down by this at each new one (~30 recent samples count)
 SHARED_FRACTION = 0.1  # a prefill whose steps computed more than this share of other prompts' tokens was batched
+OUTLIER = 4.0  # a compute sample counts at most this many times above or below the fit's own prediction
+# What a byte of chat messages can make: a byte-level BPE token covers a byte or more, and a message adds a few
+# template tokens. A rate outside this is not a history that grew (an id reused for another, compacted history).
+TOKENS_PER_BYTE = (0.02, 1.5)
+MIN_ADDED_BYTES = 32  # fewer added bytes say more about the template than about the text
 PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
 
 
@@ -64,6 +69,9 @@ class ComputeFit:
 
     def add(self, new_tokens: int, context: int, ms: float) -> None:
         if new_tokens > 0 and ms > 0:
+            if self.calibrated:  # one stalled sample (a swap, a stop) may move the fit only so far
+                expected = self.predict(new_tokens, context)
+                ms = min(max(ms, expected / OUTLIER), expected * OUTLIER)
             x = self._terms(new_tokens, context) / self.SCALE
             self._gram = FORGET * self._gram + np.outer(x, x)
             self._moment = FORGET * self._moment + ms * x
@@ -89,14 +97,18 @@ class Typical:
     for each of the first MIN_SAMPLES that are missing, so that one odd first sample cannot decide alone."""
     prior: float
     values: deque = field(default_factory=lambda: deque(maxlen=64))
+    _median: float | None = None  # kept until the next value: a turn's choice reads it several times
 
     def add(self, value: float) -> None:
         self.values.append(value)
+        self._median = None
 
     @property
     def value(self) -> float:
-        padding = [self.prior] * max(MIN_SAMPLES - len(self.values), 0)
-        return statistics.median([*self.values, *padding])
+        if self._median is None:
+            padding = [self.prior] * max(MIN_SAMPLES - len(self.values), 0)
+            self._median = statistics.median([*self.values, *padding])
+        return self._median
 
 
 @dataclass(slots=True)
@@ -174,10 +186,12 @@ class CostModel:
     def observe_prompt(self, prompt_bytes: int, prompt_tokens: int, known_bytes: int = 0,
                        known_tokens: int = 0) -> None:
         """Learn from a turn's real prompt tokens (the decode worker's count) what its bytes make."""
-        if prompt_bytes and prompt_tokens:
+        low, high = TOKENS_PER_BYTE
+        if prompt_bytes and prompt_tokens and low <= prompt_tokens / prompt_bytes <= high:
             self.tokens_per_char.add(prompt_tokens / prompt_bytes)
-        if known_tokens and prompt_bytes > known_bytes and prompt_tokens >= known_tokens:
-            self.added_tokens_per_byte.add((prompt_tokens - known_tokens) / (prompt_bytes - known_bytes))
+        added_bytes, added_tokens = prompt_bytes - known_bytes, prompt_tokens - known_tokens
+        if known_tokens and added_bytes >= MIN_ADDED_BYTES and low <= added_tokens / added_bytes <= high:
+            self.added_tokens_per_byte.add(added_tokens / added_bytes)
 
     def observe_reuse(self, leased_tokens: int, reused_tokens: int) -> None:
         """Learn from a turn how much of its lease (`leased_tokens`) the new prompt really shared."""

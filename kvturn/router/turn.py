@@ -160,7 +160,7 @@ class Turn(Streaming):
                 p_body["max_completion_tokens"] = 1
             if self.key is not None:
                 p_body["conversation_id"] = self.key
-            with router.prefill.claim(worker, self.choice.work_ms):
+            with router.prefill.claim(worker, self.choice.work_ms) as claim:
                 try:
                     response = await router.http.post(worker.url + self.path, fast_json.dumps(p_body))
                 except Unreachable:
@@ -168,6 +168,8 @@ class Turn(Streaming):
                     tried.add(worker.url)
                     router.metrics.retries.labels("prefill_unreachable").inc()
                     continue
+                if response.status == 200:
+                    claim.work_done()
             if response.status == 200:
                 return fast_json.loads(response.content), worker.url
             if response.status < 500:
@@ -294,7 +296,9 @@ class Turn(Streaming):
             return opened
         claim, response = opened
         try:
-            return claim.worker, await self.read(response)
+            content = await self.read(response)
+            claim.work_done()
+            return claim.worker, content
         except Unreachable:
             self.router.metrics.requests.labels("decode_error").inc()
             return error_response(503, "the decode worker failed before its answer was complete")

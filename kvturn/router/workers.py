@@ -51,15 +51,18 @@ class Claim:
     released: bool = field(default=False)
 
     def work_done(self) -> None:
-        """The request's predicted work (its prompt) is done, though the request may go on (decoding)."""
+        """The request's predicted work (its prompt) is done, though the request may go on (decoding): the worker
+        has taken up what waited behind it."""
         if self.worker.pending.pop(id(self), None) is not None:
             self.worker.last_done = time.perf_counter()
 
     def release(self) -> None:
+        """The request is over. Work it never reported done (a refusal, an error, a client that left) leaves the
+        queue without counting as done: a run of failing requests must not make the worker's queue look fresh."""
         if not self.released:
             self.released = True
             self.worker.in_flight -= 1
-            self.work_done()
+            self.worker.pending.pop(id(self), None)
 
     def __enter__(self) -> "Claim":
         return self
