@@ -12,7 +12,7 @@ from kvturn.plan.calibration import Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload
-from kvturn.router import paths, workers
+from kvturn.router import paths
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -107,17 +107,6 @@ def router_cost_model(calibration: Calibration) -> paths.CostModel:
     return model
 
 
-class RouterClock:
-    """Stands in for the `time` module inside kvturn.router.workers while a simulation runs, so that the router's
-    own load accounting (claims, predicted backlog) runs on the simulated clock rather than the wall clock."""
-
-    def __init__(self, sim: "Simulation"):
-        self.sim = sim
-
-    def perf_counter(self) -> float:
-        return self.sim.now
-
-
 class RouterPool:
     """The router's view of one role's workers, kept by its own code (`WorkerPool`, its claims and each worker's
     predicted `backlog_ms`). The backlog is read whenever a claim comes or goes; in between it falls by a millisecond
@@ -126,7 +115,7 @@ class RouterPool:
 
     def __init__(self, sim: "Simulation", role: str, size: int):
         self.sim = sim
-        self.pool = WorkerPool([f"{role}-{i}" for i in range(size)], role)
+        self.pool = WorkerPool([f"{role}-{i}" for i in range(size)], role, clock=lambda: sim.now)
         self.workers = self.pool.workers
         self.free_at_s = [0.0] * size
 
@@ -218,14 +207,10 @@ class Simulation:
             for state in self.sessions:
                 self.at(state.session.start_s or 0.0, self._start_session, state)
         queue, pop = self._queue, heapq.heappop
-        wall_clock, workers.time = workers.time, RouterClock(self)
-        try:
-            while queue:
-                self.now, _, action, args = pop(queue)
-                self.events += 1
-                action(*args)
-        finally:
-            workers.time = wall_clock
+        while queue:
+            self.now, _, action, args = pop(queue)
+            self.events += 1
+            action(*args)
         return self
 
     # ---- sessions and turns

@@ -4,6 +4,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvturn.router.upstream import Unreachable, Upstream
@@ -27,6 +28,7 @@ class WorkerState:
     pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
     token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
     last_done: float = 0.0  # when a request's predicted work was last done: the worker then took up the others
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # seconds; `kvturn plan` simulates it
 
     @property
     def step_ms(self) -> float:
@@ -39,7 +41,7 @@ class WorkerState:
         the oldest came, or when the last one before them was done, whichever is later)."""
         if not self.pending:
             return 0.0
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         started = max(min(came for _, came in self.pending.values()), self.last_done)
         return max(sum(ms for ms, _ in self.pending.values()) - max(now - started, 0.0) * 1e3, 0.0)
 
@@ -54,7 +56,7 @@ class Claim:
         """The request's predicted work (its prompt) is done, though the request may go on (decoding): the worker
         has taken up what waited behind it."""
         if self.worker.pending.pop(id(self), None) is not None:
-            self.worker.last_done = time.perf_counter()
+            self.worker.last_done = self.worker.clock()
 
     def release(self) -> None:
         """The request is over. Work it never reported done (a refusal, an error, a client that left) leaves the
@@ -72,8 +74,10 @@ class Claim:
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], role: str):
-        self.workers = [WorkerState(url.rstrip("/"), role) for url in urls]
+    def __init__(self, urls: list[str], role: str, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: what the load accounting reads as now (the simulated clock in `kvturn plan`)."""
+        self.clock = clock
+        self.workers = [WorkerState(url.rstrip("/"), role, clock=clock) for url in urls]
         self.role = role
         self.static_urls = {w.url for w in self.workers}
 
@@ -82,7 +86,7 @@ class WorkerPool:
 
     def least_loaded(self, exclude: set[str] = frozenset()) -> WorkerState | None:
         candidates = [w for w in self.healthy() if w.url not in exclude]
-        now = time.perf_counter()
+        now = self.clock()
         return min(candidates, key=lambda w: (w.backlog_ms(now), w.in_flight), default=None)
 
     @staticmethod
@@ -91,7 +95,7 @@ class WorkerPool:
         worker.in_flight += 1
         claim = Claim(worker)
         if work_ms > 0:
-            worker.pending[id(claim)] = (work_ms, time.perf_counter())
+            worker.pending[id(claim)] = (work_ms, worker.clock())
         return claim
 
     def find(self, url: str) -> WorkerState | None:
@@ -103,7 +107,7 @@ class WorkerPool:
         registered = {url.rstrip("/") for url in registered}
         for url in sorted(registered - {w.url for w in self.workers}):
             log.info("%s worker %s registered", self.role, url)
-            self.workers.append(WorkerState(url, self.role, healthy=False))
+            self.workers.append(WorkerState(url, self.role, healthy=False, clock=self.clock))
         for worker in [w for w in self.workers if w.url not in registered | self.static_urls and not w.healthy]:
             log.warning("%s worker %s is gone (unregistered and not answering)", self.role, worker.url)
             self.workers.remove(worker)
