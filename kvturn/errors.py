@@ -4,6 +4,7 @@ import json
 import logging
 import uuid
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -52,7 +53,12 @@ def parse_json_object(raw: bytes) -> dict:
     """A request body as a JSON object; BadRequest for anything else (NaN and Infinity included, which
     Python's json accepts and no other JSON parser does, and nesting deeper than any API needs)."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = orjson.loads(raw)  # refuses NaN and Infinity itself
+    except orjson.JSONDecodeError:  # also what only Python's json takes (lone surrogates, huge ints), or its error
+        body = None
+    try:
+        if body is None:
+            body = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
         raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:

@@ -11,6 +11,7 @@ import logging
 import secrets
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -36,9 +37,12 @@ def lease_binding(secret: str, kind: str, engine_id: str, binding_key: str, reco
     """A MAC, under the cluster secret, of a lease's whole record as its holder made it, of the holder, of the
     kind of lease and of what it is bound to (a conversation, or P's request): a peer handed the record by the
     router can trust every field of it without asking the holder, and only for that binding."""
-    message = json.dumps([kind, engine_id, binding_key, *(record.get(f) for f in RECORD_FIELDS)],
-                         separators=(",", ":"))
-    return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()
+    fields = [kind, engine_id, binding_key, *(record.get(f) for f in RECORD_FIELDS)]
+    try:
+        message = orjson.dumps(fields)  # several times faster than json for ~550 hashes and ids, on P's turn
+    except (TypeError, orjson.JSONEncodeError):  # what orjson cannot write (an int past 64 bits) binds nothing
+        message = json.dumps(fields, separators=(",", ":"), default=repr).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> list[int] | None:
