@@ -209,7 +209,7 @@ def test_before_any_turn_on_a_lease_is_measured_the_added_bytes_make_tokens_at_t
 def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
     model = CostModel()
     alone = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,
-             "timing": {"prefill_compute_ms": 120.0, "prefill_shared_tokens": 7}}  # seven decodes beside it
+             "timing": {"prefill_compute_ms": 120.0, "prefill_shared_tokens": 7}}  # another prompt's last few tokens in its steps
     batched = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,
                "timing": {"prefill_compute_ms": 900.0, "prefill_shared_tokens": 4000}}  # a first turn beside it
     assert not paths.shared_steps(alone) and paths.shared_steps(batched)

@@ -18,6 +18,7 @@ EXPLORE_EVERY = 16  # adaptive: a path not taken for this many turns is taken on
 EXPLORE_WITHIN = 1.5  # ...if its predicted cost is at most this many times the best path's
 FORGET = 0.97  # a compute fit weighs its earlier samples down by this at each new one (~30 recent samples count)
 SHARED_FRACTION = 0.1  # a prefill whose steps computed more than this share of other prompts' tokens was batched
+SHARED_SLACK = 16  # ...and more than this many of them (another prompt's last few tokens change little)
 OUTLIER = 4.0  # a compute sample counts at most this many times above or below the fit's own prediction
 # What a byte of chat messages can make: a byte-level BPE token covers a byte or more, and a message adds a few
 # template tokens. A rate outside this is not a history that grew (an id reused for another, compacted history).
@@ -31,7 +32,7 @@ def shared_steps(report: dict) -> bool:
     more about the others than about itself, so neither the compute fit nor the correction learns from it."""
     timing = report.get("timing") or {}
     own = report.get("prompt_tokens_computed") or 0
-    return (timing.get("prefill_shared_tokens") or 0) > SHARED_FRACTION * own + 16
+    return (timing.get("prefill_shared_tokens") or 0) > SHARED_FRACTION * own + SHARED_SLACK
 
 
 class ComputeFit:

@@ -4,6 +4,7 @@ import logging
 import time
 
 from fastapi.responses import JSONResponse, Response
+from yarl import URL
 
 from kvturn.errors import error_response
 from kvturn.kv_transfer import policy
@@ -225,11 +226,11 @@ class Turn(Streaming):
                 await response.close()
             return self.decode_refused(content, response.status)
 
-    def decode_request(self, worker: WorkerState, d_body: dict) -> tuple[str, bytes]:
+    def decode_request(self, worker: WorkerState, d_body: dict) -> tuple[str | URL, bytes]:
         """(URL, JSON body) of the turn's call to a decode worker."""
         return worker.url + self.path, fast_json.dumps(d_body)
 
-    async def send(self, url: str, content: bytes) -> Stream:
+    async def send(self, url: str | URL, content: bytes) -> Stream:
         """Open a call to a worker: its status is in, its body is read by the caller."""
         return await self.router.http.open(url, content)
 

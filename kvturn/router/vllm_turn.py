@@ -11,6 +11,7 @@ import time
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
+from yarl import URL
 
 from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
@@ -65,7 +66,7 @@ class VLLMTurn(Turn):
         finally:
             self.work.resume()
 
-    async def send(self, url, content: bytes) -> Stream:
+    async def send(self, url: str | URL, content: bytes) -> Stream:
         """A call to a worker, with its JSON encoded before the wait, as the router's work."""
         self.work.pause()
         try:
@@ -224,7 +225,7 @@ class VLLMTurn(Turn):
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)  # /v1/completions puts them on the choice
 
-    def decode_request(self, worker, d_body: dict) -> tuple:
+    def decode_request(self, worker, d_body: dict) -> tuple[str | URL, bytes]:
         """As Turn's, with the body encoded once for all the worker calls of the turn."""
         return endpoint(worker.url + self.path), self.encoded(d_body)
 
