@@ -242,17 +242,25 @@ class Turn(Streaming):
             params = KVTransferParams.parse(kv)
         except BadKVParams:
             params = KVTransferParams()
-        messages = self.body.get("messages")
-        order = len(messages) if isinstance(messages, list) else 0
         if params.handle:
-            answered = self.prompt_size + (len(answer or "") if messages is None else
+            answered = self.prompt_size + (len(answer or "") if self.body.get("messages") is None else
                                            message_size({"role": "assistant", "content": answer or ""}))
-            await router.table.put(Conversation(self.key, decode_url, kv, 0.0, order, history_bytes=answered))
+            await router.table.put(Conversation(self.key, decode_url, kv, 0.0, self.order, history_bytes=answered))
         else:
             await router.table.drop(self.key)  # the old lease is superseded or gone
+        await self.remember_answer(answer)
+
+    @property
+    def order(self) -> int:
+        """How far the conversation has come (its messages): a store keeps the newest turn's entry."""
+        messages = self.body.get("messages")
+        return len(messages) if isinstance(messages, list) else 0
+
+    async def remember_answer(self, answer: str | None) -> None:
+        """Name the conversation by its history with this answer, so a client resending it finds the lease."""
         if self.history is not None and answer is not None:
             digest = self.history.extended({"role": "assistant", "content": answer})
-            await router.table.remember_history(digest, self.key)
+            await self.router.table.remember_history(digest, self.key)
 
     def decode_refused(self, content: bytes, status: int) -> Response:
         """D answered with an error: pass it on. The conversation keeps its previous lease, which is still

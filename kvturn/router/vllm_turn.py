@@ -189,14 +189,11 @@ class VLLMTurn(Turn):
         claimed = kv.get("remote_num_tokens") if isinstance(kv, dict) else None
         if isinstance(claimed, int) and claimed > 0 and kv.get("do_remote_decode") and retained_ids and \
                 self.one_choice:
-            messages = self.body.get("messages")
-            order = len(messages) if isinstance(messages, list) else 0
-            await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, order, retained_ids))
+            await router.table.put(Conversation(self.key, decode_url, stored_params(kv), 0.0, self.order,
+                                                retained_ids))
         else:
             await router.table.drop(self.key)
-        if self.history is not None and answer is not None:
-            digest = self.history.extended({"role": "assistant", "content": answer})
-            await router.table.remember_history(digest, self.key)
+        await self.remember_answer(answer)
 
     def merged_kvturn(self, decode: dict | None, decode_url: str) -> dict:
         prefill_usage = self.prefill.get("usage") or {}
@@ -333,13 +330,9 @@ class VLLMTurn(Turn):
             await self.remember_vllm(decode_url, None, None, answer)
             return
         await self.router.table.drop(self.key)  # until the retention call answers, there is nothing to reuse
-        if self.history is not None:
-            digest = self.history.extended({"role": "assistant", "content": answer})
-            await self.router.table.remember_history(digest, self.key)
-        messages = self.body.get("messages")
-        order = len(messages) if isinstance(messages, list) else 0
+        await self.remember_answer(answer)
         task = asyncio.create_task(retain_streamed_turn(self.router, self.key, decode_url, self.body.get("model"),
-                                                        vllm_reuse.joined_ids(prompt_ids, output), order))
+                                                        vllm_reuse.joined_ids(prompt_ids, output), self.order))
         self.vllm.pending[self.key] = task
         task.add_done_callback(lambda done, key=self.key: self.vllm.pending.pop(key, None)
                                if self.vllm.pending.get(key) is done else None)
