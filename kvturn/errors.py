@@ -49,20 +49,22 @@ def _depth_ok(raw: bytes, value, limit: int) -> bool:
     return True
 
 
+def _parse_with_json(raw: bytes):
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError:
+        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}") from None
+
+
 def parse_json_object(raw: bytes) -> dict:
     """A request body as a JSON object; BadRequest for anything else (NaN and Infinity included, which
     Python's json accepts and no other JSON parser does, and nesting deeper than any API needs)."""
     try:
         body = orjson.loads(raw)  # refuses NaN and Infinity itself
     except orjson.JSONDecodeError:  # also what only Python's json takes (lone surrogates, huge ints), or its error
-        body = None
-    try:
-        if body is None:
-            body = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError:
-        raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"malformed JSON body: {exc}") from None
+        body = _parse_with_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if not _depth_ok(raw, body, MAX_JSON_DEPTH):

@@ -24,16 +24,18 @@ def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None =
     step = block_size * 8
     hashes, parent = [], 0
     for start in range(0, full * step, step):
-        hasher = xxhash.xxh64(parent.to_bytes(8, "little"))
-        hasher.update(data[start:start + step])
-        parent = hasher.intdigest() & HASH_MASK
+        parent = _chain(parent, data[start:start + step])
         hashes.append(parent)
     return hashes
 
 
 def chain_hash(parent: int, block_token_ids) -> int:
+    return _chain(parent, np.asarray(block_token_ids, dtype=np.int64).tobytes())
+
+
+def _chain(parent: int, block_bytes: bytes) -> int:
     hasher = xxhash.xxh64(parent.to_bytes(8, "little"))
-    hasher.update(np.asarray(block_token_ids, dtype=np.int64).tobytes())
+    hasher.update(block_bytes)
     return hasher.intdigest() & HASH_MASK
 
 

@@ -53,6 +53,11 @@ def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> 
     return value
 
 
+def token_id(value, vocab_size: int) -> int | None:
+    """`value` if it is a token id of this vocabulary (as a peer or a relayed record may name one), else None."""
+    return value if type(value) is int and 0 <= value < vocab_size else None
+
+
 def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, block_size: int,
                 vocab_size: int) -> RemoteBlocks | None:
     """A peer's account of its lease, checked field by field; None if anything is off."""
@@ -71,8 +76,7 @@ def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, blo
         return None
     if not (len(block_ids) - 1) * block_size < num_tokens <= len(block_ids) * block_size:
         return None
-    if first_token is not None and (isinstance(first_token, bool) or not isinstance(first_token, int)
-                                    or not 0 <= first_token < vocab_size):
+    if first_token is not None and token_id(first_token, vocab_size) is None:
         return None
     return RemoteBlocks(engine_id, block_ids, hashes, epochs, float(expiry), handle, num_tokens=num_tokens,
                         first_token_id=first_token)
@@ -117,6 +121,12 @@ class PeerClient:
             return False
         expected = self.binding(kind, ref.engine_id, ref.binding_key, ref.record)
         return expected is not None and hmac.compare_digest(relayed, expected)
+
+    def forget(self, engine_id: str) -> None:
+        """Drop the agent info of whatever address `engine_id` was at: the next contact asks afresh."""
+        for address, info in list(self.known.items()):
+            if info.get("engine_id") == engine_id:
+                del self.known[address]
 
     async def agent_info(self, address: str, refresh: bool = False) -> dict:
         if refresh or address not in self.known:

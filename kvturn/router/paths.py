@@ -249,11 +249,6 @@ class Estimate:
     work_ms: float  # the compute and transfer this turn adds to its worker's queue
     tokens_computed: int = 0  # the prompt tokens the path computes, as estimated
 
-    @property
-    def service_ms(self) -> float:
-        """The turn's own time to first token once its worker takes it up, as modelled."""
-        return self.explained_ms + self.other_ms
-
     def predicted_ms(self, correction: float) -> float:
         return self.queue_ms + self.explained_ms * correction + self.other_ms
 

@@ -21,7 +21,7 @@ from kvturn.kv_transfer import params as kv_params
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
 from kvturn.kv_transfer.nixl_agent import LayoutMismatch
-from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient, parse_lease
+from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient, parse_lease, token_id
 from kvturn.model.loader import load_model
 from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.server.metrics import WorkerMetrics
@@ -234,9 +234,7 @@ class Worker:
             return remote.first_token_id
         if not caller_has_secret:
             return None
-        token = (plan.remote.record or {}).get("first_token_id")
-        valid = isinstance(token, int) and not isinstance(token, bool) and 0 <= token < self.vocab_size
-        return token if valid else None
+        return token_id((plan.remote.record or {}).get("first_token_id"), self.vocab_size)
 
     def response_kv_params(self, seq: Sequence) -> dict | None:
         if seq.retained is None:
@@ -281,9 +279,7 @@ class Worker:
     def forget_peer(self, engine_id: str) -> None:
         """A read from the peer failed: it may have died or restarted. Ask it afresh next time (a relayed record
         names the old engine, which the cached agent info would still match) rather than post reads to a ghost."""
-        for address, info in list(self.peers.known.items()):
-            if info.get("engine_id") == engine_id:
-                del self.peers.known[address]
+        self.peers.forget(engine_id)
         self.engine.call_soon(lambda: self.connector.nixl.forget_peer(engine_id))
 
     def release_pin_once(self, plan: kv_params.KVPlan, released: list[bool]) -> None:
