@@ -118,3 +118,15 @@ def test_the_report_leads_with_a_verdict_and_shows_the_time_outside_compute_and_
     assert "30 ms of its 100 ms TTFT p50 is outside compute and transfer" in page
     assert "<th>other: router, side channel, queues</th>" in page  # its own column of where TTFT goes
     assert "<pre>" not in page and "<td>cores</td><td>2</td>" in page
+
+
+def test_the_split_of_ttft_adds_up_to_the_ttft_when_ps_first_token_went_ahead():
+    """D's read and compute come after the client's first token then: they are not parts of the TTFT."""
+    from kvturn.bench.report import ttft_split
+    result = RunResult(runtime_s=1.0)
+    result.requests.append(RequestRecord("c", 0, 0, 1, 0.0, warmup=False, ttft_ms=100.0, latency_ms=150.0,
+                                         prefill_compute_ms=60.0, p_to_d_read_ms=30.0, decode_compute_ms=20.0,
+                                         first_token_from="prefill"))
+    split = ttft_split(result)
+    assert split["p_to_d_read_ms"] == split["decode_compute_ms"] == 0.0
+    assert sum(split.values()) == 100.0 and split["other_ms"] == 40.0

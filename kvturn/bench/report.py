@@ -123,9 +123,7 @@ def plot_all(results: dict[str, RunResult], out_dir: Path) -> dict[str, Path]:
     paths["ttft_vs_prompt"] = save_figure(fig, out_dir / "ttft_vs_prompt.png")
 
     fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 4), sharey=True, squeeze=False)
-    parts = [("prefill compute", "prefill_compute_ms", "#4c72b0"), ("D->P read", "d_to_p_read_ms", "#dd8452"),
-             ("P->D read", "p_to_d_read_ms", "#55a868"), ("compute on D", "decode_compute_ms", "#8172b3"),
-             ("other: router, side channel, queue", "other_ms", "#999999")]
+    parts = [(label, key, color) for (label, key), color in zip(SPLIT_PARTS, SPLIT_COLORS)]
     for ax, (name, result) in zip(axes[0], results.items()):
         buckets = _buckets(result, later_turns=True)
         labels = [f"{b}k" for b in buckets]
@@ -177,6 +175,7 @@ td,th{border:1px solid #ccc;padding:4px 8px;font-size:13px}th{background:#f3f3f3
 SPLIT_PARTS = (("prefill compute", "prefill_compute_ms"), ("D->P read", "d_to_p_read_ms"),
                ("P->D read", "p_to_d_read_ms"), ("compute on D", "decode_compute_ms"),
                ("other: router, side channel, queues", "other_ms"))
+SPLIT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#999999")
 
 
 def html_table(columns, rows) -> str:
@@ -198,7 +197,7 @@ def ttft_split(result: RunResult) -> dict[str, float]:
     """Mean ms per request of each part of the time to first token, the time outside compute and transfer
     included as its own part."""
     ok = [r for r in result.requests if r.error is None and not r.warmup and r.ttft_ms is not None]
-    return {key: float(np.mean([getattr(r, key) or 0.0 for r in ok])) if ok else 0.0 for _, key in SPLIT_PARTS}
+    return {key: float(np.mean([r.in_ttft(key) for r in ok])) if ok else 0.0 for _, key in SPLIT_PARTS}
 
 
 def verdict(summaries: list[dict]) -> str:
