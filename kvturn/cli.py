@@ -33,6 +33,16 @@ def resolve_model(model: Optional[Path], preset: str = "tiny") -> str:
     return str(model) if model else str(default_model_dir(preset))
 
 
+def chosen_legs(legs: str) -> list[str]:
+    """The comma-separated leg names of `kvturn bench --compare` and `kvturn plan`, each one known."""
+    from kvturn.bench.compare import LEGS
+    chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
+    unknown = [leg for leg in chosen if leg not in LEGS]
+    if unknown:
+        raise typer.BadParameter(f"unknown legs {unknown}; choose from {list(LEGS)}")
+    return chosen
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call drowns what matters
@@ -251,11 +261,7 @@ def bench(
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
     if compare:
-        chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
-        unknown = [leg for leg in chosen if leg not in comparison.LEGS]
-        if unknown:
-            raise typer.BadParameter(f"unknown legs {unknown}; choose from {list(comparison.LEGS)}")
-        results = comparison.run_legs(model_dir, chosen, spec, conversations, seed, kv_cache_mb, out_dir / "logs",
+        results = comparison.run_legs(model_dir, chosen_legs(legs), spec, conversations, seed, kv_cache_mb, out_dir / "logs",
                                       console, source, sessions)
     else:
         results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
@@ -335,7 +341,7 @@ def plan(
 
     from rich.console import Console
 
-    from kvturn.bench.compare import LEGS, SCENARIOS
+    from kvturn.bench.compare import SCENARIOS
     from kvturn.plan import calibration, planner, report, trace
     from kvturn.plan.sim import Deployment
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -345,22 +351,23 @@ def plan(
         raise typer.BadParameter(f"scenario must be one of {sorted(SCENARIOS)}")
     if policy not in planner.POLICY_LEGS:
         raise typer.BadParameter(f"policy must be one of {sorted(planner.POLICY_LEGS)}")
-    chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
-    if any(leg not in LEGS for leg in chosen):
-        raise typer.BadParameter(f"unknown legs {[leg for leg in chosen if leg not in LEGS]}; choose from {list(LEGS)}")
+    chosen = chosen_legs(legs)
     try:
         ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
         budget_shares = tuple(float(b) for b in budgets.split(",") if b.strip())
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if any(t <= 0 for t in ttl_values) or any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
+        raise typer.BadParameter("TTLs and worker counts must be positive, budget shares within (0, 1]")
+    try:
         cost_model = calibration.load(calibration_file)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
         else:
-            workload = trace.load(workload_file, resolve_model(model), seed, clients)
+            workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
     except (trace.TraceError, calibration.CalibrationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    if any(t <= 0 for t in ttl_values) or any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
-        raise typer.BadParameter("TTLs and worker counts must be positive, budget shares within (0, 1]")
     if save_calibration:
         cost_model.save(save_calibration)
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,

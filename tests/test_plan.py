@@ -52,7 +52,7 @@ def test_a_trace_groups_requests_by_conversation_with_think_time_and_shared_hist
         {"timestamp": 110.0, "conversation_id": "a", "prompt_tokens": 900, "output_tokens": 10},
         {"timestamp": 103.5, "conversation_id": "b", "prompt_tokens": 600, "output_tokens": 20},
     ])
-    workload = trace.load(path, "unused", 0, 1)
+    workload = trace.load(path, lambda: "unused", 0, 1)
     a, b = workload.sessions
     assert (a.start_s, b.start_s) == (0.0, 0.5) and workload.clients is None
     assert [t.think_s for t in a.turns] == [0.0, 3.0, 5.0]  # from the previous answer's end
@@ -72,7 +72,7 @@ def test_a_malformed_trace_line_is_refused_naming_its_line(tmp_path, line, messa
     good = {"timestamp": 0, "conversation_id": "a", "prompt_tokens": 10, "output_tokens": 2}
     path = write_lines(tmp_path / "bad.jsonl", [good, line])
     with pytest.raises(TraceError, match=f"bad.jsonl:2: .*{message}"):
-        trace.load(path, "unused", 0, 1)
+        trace.load(path, lambda: "unused", 0, 1)
 
 
 def test_bench_workload_formats_become_token_counts(tmp_path, tiny_model_dir):
@@ -88,7 +88,7 @@ def test_bench_workload_formats_become_token_counts(tmp_path, tiny_model_dir):
     for name, data, sessions, turns in (("list", vllm_list, 1, 2), ("gen", generator, 2, 3), ("syn", synthetic, 3, 2)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(data))
-        workload = trace.load(path, str(tiny_model_dir), 0, 2)
+        workload = trace.load(path, lambda: str(tiny_model_dir), 0, 2)
         assert len(workload.sessions) == sessions and all(len(s.turns) == turns for s in workload.sessions)
         for s in workload.sessions:
             first, second = s.turns[:2]
@@ -198,7 +198,7 @@ def test_the_router_traces_each_finished_turn_for_the_planner(tiny_model_dir, tm
     assert {line["conversation_id"] for line in lines} == {lines[0]["conversation_id"]} != {"agent-007"}
     assert [line["prompt_tokens"] for line in lines] == [r["usage"]["prompt_tokens"] for r in results]
     assert all(line["output_tokens"] == 16 and line["timestamp"] <= line["finished"] for line in lines)
-    workload = trace.load(path, "unused", 0, 1)
+    workload = trace.load(path, lambda: "unused", 0, 1)
     assert [t.shared_tokens > 0 for t in workload.sessions[0].turns] == [False, True, True]
 
 

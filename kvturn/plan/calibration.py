@@ -29,14 +29,17 @@ class Calibration:
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
+    def fit_for(self, worker: str) -> tuple[float, float, float]:
+        """(a, b, k) of `worker`'s compute; a kind the calibration run did not measure has P's."""
+        return self.compute_fits.get(worker) or self.compute_fits["prefill"]
+
     def prefill_ms(self, new_tokens: int, context: int, worker: str = "prefill") -> float:
-        a, b, k = self.compute_fits.get(worker) or self.compute_fits["prefill"]
-        return a + b * new_tokens + k * new_tokens * (context + new_tokens / 2) / 1e3 if new_tokens > 0 else 0.0
+        return self.step_prefill_ms([(new_tokens, context)], worker) if new_tokens > 0 else 0.0
 
     def step_prefill_ms(self, chunks: list[tuple[int, int]], worker: str = "prefill") -> float:
         """One engine step computing each (new tokens, context) chunk: the fixed cost once for the step, the
         per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
-        a, b, k = self.compute_fits.get(worker) or self.compute_fits["prefill"]
+        a, b, k = self.fit_for(worker)
         return a + sum(b * n + k * n * (context + n / 2) / 1e3 for n, context in chunks) if chunks else 0.0
 
     def read_ms(self, tokens: int, direction: str) -> float:

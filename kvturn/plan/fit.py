@@ -38,15 +38,22 @@ def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, floa
     that comes out negative is dropped and the rest refitted (no negative cost per token)."""
     x = np.array([features(chunks) for chunks, _ in samples])
     y = np.array([ms for _, ms in samples])
-    active = [0, 1, 2]
+    coefficients = nonnegative_lstsq(x / y[:, None], np.ones(len(y)), [0, 1, 2])
+    return tuple(float(c) for c in coefficients)
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
+    """Least squares of y on the columns `active` of x, the most negative coefficient dropped and the rest refitted
+    until none is negative; every column's coefficient, zero where dropped."""
+    active = list(active)
     while active:
-        solution, *_ = np.linalg.lstsq(x[:, active] / y[:, None], np.ones(len(y)), rcond=None)
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
         if (solution >= 0).all():
             break
         active.pop(int(np.argmin(solution)))
-    coefficients = np.zeros(3)
+    coefficients = np.zeros(x.shape[1])
     coefficients[active] = solution
-    return tuple(float(c) for c in coefficients)
+    return coefficients
 
 
 def predict_compute(coefficients, chunks: Chunks) -> float:
@@ -114,14 +121,7 @@ def fit_decode_step(by_leg: dict[str, list[Row]]) -> tuple[tuple[float, float, f
         raise CalibrationError("too few P/D requests with more than one output token to fit the decode step time")
     x, y = np.array(features), np.array(tpot)
     # Batches that barely varied cannot tell a cost per request from the fixed one: the context term carries it.
-    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3]
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (solution >= 0).all():
-            break
-        active.pop(int(np.argmin(solution)))
-    coefficients = np.zeros(4)
-    coefficients[active] = solution
+    coefficients = nonnegative_lstsq(x, y, [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3])
     return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
 
 

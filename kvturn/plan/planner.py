@@ -13,7 +13,6 @@ from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
-DEFAULT_TTLS_S = (60.0, 120.0, 240.0, 480.0)
 BUDGET_SHARES = (0.5, 0.25)  # budgets swept beside the deployment's own: shares of its peak retained KV
 KEEP_GAIN = 0.95
 # The router forgets a lease a little before the decode worker ends it, as the defaults do (450 s against 480 s).

@@ -21,28 +21,25 @@ class Leases:
         self.on_change = on_change  # told the change in retained tokens, for the cluster-wide peak
         self.by_conversation: OrderedDict[str, Lease] = OrderedDict()
         self.retained_tokens = 0
-        self.counts = {"created": 0, "expired": 0, "reclaimed": 0, "superseded": 0}
 
     def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
         self.expire(now)
-        self.drop(conversation, "superseded")
+        self.drop(conversation)  # superseded
         if tokens <= 0:
             return None
         lease = Lease(conversation, tokens, now + ttl_s)
         self.by_conversation[conversation] = lease
         self._add(tokens)
-        self.counts["created"] += 1
         if self.budget_tokens is not None:
             while self.retained_tokens > self.budget_tokens and self.reclaim_oldest():
                 pass
         return lease
 
-    def drop(self, conversation: str, why: str) -> None:
+    def drop(self, conversation: str) -> None:
         lease = self.by_conversation.pop(conversation, None)
         if lease is not None:
             lease.alive = False
             self._add(-lease.tokens)
-            self.counts[why] += 1
 
     def expire(self, now: float) -> None:
         """Drop the leases ended by `now`: all share one TTL, so they end in the order they began (and, as only
@@ -51,12 +48,12 @@ class Leases:
             oldest = next(iter(self.by_conversation.values()))
             if oldest.expiry_s > now:
                 break
-            self.drop(oldest.conversation, "expired")
+            self.drop(oldest.conversation)
 
     def reclaim_oldest(self) -> bool:
         if not self.by_conversation:
             return False
-        self.drop(next(iter(self.by_conversation)), "reclaimed")
+        self.drop(next(iter(self.by_conversation)))
         return True
 
     def _add(self, tokens: int) -> None:

@@ -92,7 +92,7 @@ def router_cost_model(calibration: Calibration) -> paths.CostModel:
     `paths.choose` treats it as measured."""
     model = paths.CostModel()
     for role in ("prefill", "decode"):
-        fit = paths.ComputeFit(calibration.compute_fits.get(role) or calibration.compute_fits["prefill"])
+        fit = paths.ComputeFit(calibration.fit_for(role))
         for new, context in FIT_POINTS:
             fit.add(new, context, max(fit.predict(new, context), 1e-3))
         model.prefill[role] = fit
@@ -339,11 +339,11 @@ class Simulation:
         read = turn.prompt_tokens - min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         if self.deployment.first_token_ahead:
             self._first_token(flight, now, job.compute_ms + flight.read_ms)
-        self.at(now + self.calibration.read_ms(read, "p_to_d") / 1e3, self._decode_on, flight, read)
-
-    def _decode_on(self, flight: Flight, read: int) -> None:
-        """D has read the prompt's KV it lacked from P: it decodes."""
         read_ms = self.calibration.read_ms(read, "p_to_d")
+        self.at(now + read_ms / 1e3, self._decode_on, flight, read_ms)
+
+    def _decode_on(self, flight: Flight, read_ms: float) -> None:
+        """D has read the prompt's KV it lacked from P (in `read_ms`): it decodes."""
         if not self.deployment.first_token_ahead:
             self._first_token(flight, self.now, flight.prefill_compute_ms + flight.read_ms + read_ms)
         job = Job(0, flight.turn.prompt_tokens, flight.turn.output_tokens - 1, flight, on_finished=self._decoded)
@@ -364,7 +364,7 @@ class Simulation:
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:
         previous = self.table.get(conversation)
         if previous is not None and previous.decode != decode:
-            self.leases[previous.decode].drop(conversation, "superseded")
+            self.leases[previous.decode].drop(conversation)  # superseded by the lease on another worker
         leases = self.leases[decode]
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():

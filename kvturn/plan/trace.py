@@ -10,6 +10,7 @@ kvturn_synthetic config, a built-in scenario) or from a JSONL trace of real traf
 time before the next turn is known exactly; without it the think time is the gap between arrivals.
 """
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,9 +131,10 @@ def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: i
     return from_conversations(scenario, conversations, tokenizer, clients)
 
 
-def load(path: Path, model_dir: str, seed: int, clients: int) -> Workload:
+def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> Workload:
     """Any input `kvturn bench --workload` takes (its text counted in tokens by the model's tokenizer), or a JSONL
-    trace (by its .jsonl suffix, or JSON that is one trace record)."""
+    trace (by its .jsonl suffix, or JSON that is one trace record). `model_dir()` is called only for text to
+    tokenize: a trace counts tokens already, and needs no model (nor torch, which finding one imports)."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
@@ -144,7 +146,7 @@ def load(path: Path, model_dir: str, seed: int, clients: int) -> Workload:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
     if isinstance(data, dict) and "timestamp" in data:
         return from_trace(path)
-    tokenizer = ChatTokenizer(model_dir)
+    tokenizer = ChatTokenizer(model_dir())
     try:
         conversations = bench_workload.load_file(path, tokenizer, seed)
     except (ValueError, TypeError, KeyError) as exc:
