@@ -50,12 +50,35 @@ def _depth_ok(raw: bytes, value, limit: int) -> bool:
 
 
 def _parse_with_json(raw: bytes):
+    """What orjson refused, through Python's json: for its error message, and to tell a lone UTF-16 surrogate
+    escape (which JSON's grammar allows and orjson refuses) from other errors. Such a string is not text: the
+    tokenizer and every encoder downstream would fail on it with a 500, so it is a 400 here."""
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except RecursionError:
         raise BadRequest(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    if _has_lone_surrogate(body):
+        raise BadRequest("malformed JSON body: a string holds a lone UTF-16 surrogate escape (not Unicode text)")
+    return body
+
+
+def _has_lone_surrogate(value) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+    return False
 
 
 def parse_json_object(raw: bytes) -> dict:
@@ -63,7 +86,7 @@ def parse_json_object(raw: bytes) -> dict:
     Python's json accepts and no other JSON parser does, and nesting deeper than any API needs)."""
     try:
         body = orjson.loads(raw)  # refuses NaN and Infinity itself
-    except orjson.JSONDecodeError:  # also what only Python's json takes (lone surrogates, huge ints), or its error
+    except orjson.JSONDecodeError:
         body = _parse_with_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")

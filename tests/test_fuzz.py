@@ -84,14 +84,31 @@ def test_random_bytes_get_json_answers(targets, target, raw):
     b'{"prompt": "x", "top_p": -Infinity}',
     b"[" * 100_000 + b"]" * 100_000,
     b'{"prompt": ' + b"[" * 200 + b"1" + b"]" * 200 + b"}",
+    b'{"messages": [{"role": "user", "content": "x\\ud800y"}], "prompt": "x\\udfff"}',  # lone surrogates
+    b'{"prompt": "x", "conversation_id": "c\\ud800"}',
 ])
-def test_non_json_numbers_and_absurd_nesting_get_a_400(targets, target, raw):
+def test_non_json_numbers_absurd_nesting_and_lone_surrogates_get_a_400(targets, target, raw):
     urls, _ = targets
     for path in ("/v1/chat/completions", "/v1/completions"):
         response = httpx.post(urls[target] + path, content=raw, headers={"content-type": "application/json"},
                               timeout=30)
         assert response.status_code == 400
         assert "malformed JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("target", ["worker", "router"])
+def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(targets, target, tiny_model_dir):
+    """More characters than the longest tokens of the vocabulary could fill the context with: a 400 at once, not
+    a worker busy tokenizing (tens of seconds for tens of MB, /health unanswered meanwhile)."""
+    from kvturn.model.tokenizer import ChatTokenizer
+    urls, _ = targets
+    context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    text = "x" * (context * ChatTokenizer(tiny_model_dir).max_token_chars + 1)
+    for path, body in (("/v1/completions", {"prompt": text}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
+        response = httpx.post(urls[target] + path, json={**body, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 400
+        assert "characters, more than that many tokens can hold" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("target", ["worker", "router"])

@@ -27,6 +27,9 @@ class ChatTokenizer:
         self._special_ids = {t: self.tokenizer.token_to_id(t) for t in specials}
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._segment_chars = 0
+        # The longest text one token can stand for (its vocabulary entry's length, an upper bound): a text longer
+        # than this many times a context cannot fit it, whatever it tokenizes to.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`. The text between special tokens is encoded independently by the tokenizer

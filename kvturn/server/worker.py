@@ -63,11 +63,20 @@ class Worker:
 
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
-            return self.tokenizer.encode(self.chat_prompt(body.messages))
+            return self.encode_prompt(self.chat_prompt(body.messages), "messages")
         if isinstance(body.prompt, str):
-            return self.tokenizer.encode(body.prompt)
+            return self.encode_prompt(body.prompt, "prompt")
         self.check_token_ids(body.prompt, "prompt")
         return list(body.prompt)
+
+    def encode_prompt(self, text: str, param: str) -> list[int]:
+        """The prompt's token ids; a text too long for any context is refused before it is tokenized, which
+        would hold the worker for seconds (tens of seconds for tens of MB)."""
+        max_model_len = self.engine.max_model_len
+        if len(text) > max_model_len * self.tokenizer.max_token_chars:
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                             f"has {len(text)} characters, more than that many tokens can hold.", param=param)
+        return self.tokenizer.encode(text)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if any(not 0 <= t < self.vocab_size for t in token_ids):
