@@ -50,13 +50,15 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(None, "blocks in the KV pool (overrides --kv-cache-mb)")
     max_num_seqs: int = setting(32, "most requests running at once")
     max_num_batched_tokens: int = setting(8192, "token budget of one step (chunked prefill)")
+    prefill_pack_tokens: int = setting(512, "a step starts another prompt only while it computes fewer prompt "
+                                            "tokens than this (past it, packing delays the first prompt)")
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
 
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                  "max_model_len")
+                  "prefill_pack_tokens", "max_model_len")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
                                                                   f"got {self.dtype!r}")
 

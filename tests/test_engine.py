@@ -55,6 +55,24 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_model_dir, prompts, uncached
     assert llm.generate(prompts, GREEDY) == uncached
 
 
+def test_a_step_starts_no_other_prompt_past_the_pack_limit(tiny_model_dir, prompts, uncached):
+    llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False, prefill_pack_tokens=100))
+    steps, run = [], llm.engine.runner.run
+
+    def recorded(batch):
+        steps.append([(seq.num_computed_tokens, n) for seq, n in batch if seq.num_output_tokens == 0])
+        return run(batch)
+
+    llm.engine.runner.run = recorded
+    assert llm.generate(prompts, GREEDY) == uncached
+    assert [n for _, n in steps[0]] == PROMPT_LENGTHS[:2]  # 37 is under the limit, 37 + 130 is not
+    for chunks in steps:  # a prompt starts only while the step's prompt tokens before it are under the limit
+        before = 0
+        for computed, n in chunks:
+            assert computed > 0 or before < 100
+            before += n
+
+
 def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
     # 40 blocks of 16 tokens cannot hold all eight sequences at once (they need 49).
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=40, max_num_batched_tokens=256))

@@ -63,7 +63,7 @@ class LLMEngine:
             self.max_model_len = num_blocks * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._reclaim_retained)
+                                   self._reclaim_retained, config.prefill_pack_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector: Connector | None = None
         self.emit = emit

@@ -1,5 +1,11 @@
 """Which sequences run this step and how many tokens each: chunked prefill under a token budget,
-admission with prefix-cache hits, reclaiming retained blocks before preempting anyone."""
+admission with prefix-cache hits, reclaiming retained blocks before preempting anyone.
+
+Prompts are packed into one step only while the step is small. A step's time grows with every token it computes
+(on a CPU from a few hundred tokens on; `benchmarks/prefill_packing.py` measures it), so a second long prompt in
+the step of a first only delays the first, and the prompts then end together in groups whose time depends on
+prompts that came later. Past `prefill_pack_tokens` prompt tokens a step starts no other prompt: each prompt
+ends after the ones before it and its own compute, which is what the router predicts."""
 from collections import deque
 from typing import Callable
 
@@ -14,11 +20,12 @@ def reusable_blocks(num_tokens: int, block_size: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaim_retained: Callable[[], bool]):
+                 reclaim_retained: Callable[[], bool], prefill_pack_tokens: int | None = None):
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens
         self.reclaim_retained = reclaim_retained
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -36,6 +43,7 @@ class Scheduler:
         the chained hashes of its full blocks, and may move it to LOADING_KV."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Sequence, int]] = []
+        prompt_tokens = 0  # of prompts computing in this step
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -46,7 +54,9 @@ class Scheduler:
                 continue
             batch.append((seq, num_new))
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+            prompt_tokens += num_new if seq.num_output_tokens == 0 else 0
+        while (self.waiting and budget > 0 and prompt_tokens < self.prefill_pack_tokens
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             seq = self.waiting[0]
             hashes = self._admit_blocks(seq)
             if hashes is None:
@@ -61,6 +71,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             batch.append((seq, num_new))
             budget -= num_new
+            prompt_tokens += num_new
         return batch
 
     def _admit_blocks(self, seq: Sequence) -> list[int] | None:

@@ -31,6 +31,7 @@ class Deployment:
     stall_weight: float = default_of(RouterConfig, "stall_weight")
     max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")
     max_num_batched_tokens: int = default_of(EngineConfig, "max_num_batched_tokens")
+    prefill_pack_tokens: int = default_of(EngineConfig, "prefill_pack_tokens")
     block_size: int = default_of(EngineConfig, "block_size")
     one_host: bool = False  # every worker on one machine's cores, as `kvturn bench --compare` runs them
     # The router streams P's first token ahead of the decode worker (streamed requests without stop strings or
@@ -158,7 +159,8 @@ class Simulation:
         self._order = 0
         d = deployment
         pool_tokens = int(d.kv_cache_mb * 2**20 / calibration.kv_bytes_per_token)
-        loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs, d.max_num_batched_tokens)  # noqa: E731
+        loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs,  # noqa: E731
+                                            d.max_num_batched_tokens, d.prefill_pack_tokens)
         self.colocated = leg.mode == "colocated"
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
         self.prefill = [] if self.colocated else [loop("prefill", i) for i in range(d.num_prefill)]

@@ -1,5 +1,6 @@
 """A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
-chunks of waiting prompts within the token budget, as kvturn's scheduler does. Steps with no prefill in them
+chunks of waiting prompts within the token budget, starting no other prompt past `prefill_pack_tokens` prompt
+tokens, as kvturn's scheduler does. Steps with no prefill in them
 are taken many at a time (until the next request finishes or one arrives), so a long decode is a few events,
 not one per token."""
 import heapq
@@ -23,6 +24,7 @@ class Job:
     on_first_token: Callable[["Job", float], None] = _nothing
     on_finished: Callable[["Job", float], None] = _nothing
     joined_step: int = 0
+    started: bool = False  # some of its prompt has been computed
     compute_ms: float = 0.0  # of the steps that computed its prompt, as the engine reports a prefill's time
 
     @property
@@ -47,6 +49,7 @@ class StepLoop:
     index: int  # among the workers of its role
     max_num_seqs: int
     max_num_batched_tokens: int
+    prefill_pack_tokens: int
     waiting: deque = field(default_factory=deque)
     prefilling: list = field(default_factory=list)
     decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
@@ -131,12 +134,14 @@ class StepLoop:
         # The decode fit is D's measured compute of a prompt, which holds the decodes sharing its steps already.
         chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and self.kind != "decode" else 0.0
         slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
+        prompt_tokens = 0
         for job in self.prefilling:
-            if budget <= 0:
+            if budget <= 0 or (prompt_tokens >= self.prefill_pack_tokens and not job.started):
                 break
             n = min(job.prefill_tokens, budget)
             chunks.append((job, n))
             budget -= n
+            prompt_tokens += n
         ms += self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind) * slowdown
         self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
@@ -148,6 +153,7 @@ class StepLoop:
         for job, n in chunks:
             job.prefill_tokens -= n
             job.context += n
+            job.started = True
             job.compute_ms += ms
             if job.prefill_tokens == 0:
                 self.prefilling.remove(job)
