@@ -72,6 +72,7 @@ def worker(
     max_logprobs: int = option(WorkerConfig, "max_logprobs"),
     register: Optional[str] = option(WorkerConfig, "register_url", "--register"),
     register_ttl_s: float = option(WorkerConfig, "register_ttl_s"),
+    calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
@@ -107,7 +108,8 @@ def worker(
                       cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
-                   max_logprobs=max_logprobs, register_url=register, register_ttl_s=register_ttl_s, engine=engine,
+                   max_logprobs=max_logprobs, register_url=register, register_ttl_s=register_ttl_s, calibrate=calibrate,
+                   engine=engine,
                    connector=connector)
     setup_logging(log_level)
     uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)

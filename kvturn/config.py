@@ -105,6 +105,9 @@ class WorkerConfig:
                                              "started with --discover (as http://ADVERTISE_HOST:PORT)")
     register_ttl_s: float = setting(10.0, "a registration not renewed for this long expires (renewed three times "
                                           "as often), s")
+    calibrate: bool = setting(True, "time a few prefill steps at start-up (~1 s on a CPU core with the embedded "
+                                    "model) and serve them at /kv/calibration: routers predict the first turns "
+                                    "from this machine's speed")
     engine: EngineConfig = field(default_factory=EngineConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
 

@@ -102,6 +102,40 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_de
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 
 
+def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_decode_stack):
+    import httpx
+    for name in ("prefill", "decode0"):
+        steps = httpx.get(f"{on_decode_stack.urls[name]}/kv/calibration").json()["prefill_steps"]
+        shapes = [(s["new_tokens"], s["context_tokens"]) for s in steps]
+        assert (512, 0) in shapes and any(context > 0 for _, context in shapes)
+        assert all(s["ms"] > 0 for s in steps)
+    metrics = httpx.get(f"{on_decode_stack.url}/metrics").text
+    for role in ("prefill", "decode"):
+        learned = [line for line in metrics.splitlines()
+                   if line.startswith(f'kvturn_router_calibration_steps_total{{role="{role}"}}')]
+        assert learned and float(learned[0].split()[-1]) >= 2
+
+
+def test_a_workers_calibration_is_checked_before_it_is_learned():
+    model = CostModel()
+    steps = [{"new_tokens": 2048, "context_tokens": 0, "ms": 300.0}, {"new_tokens": -5, "context_tokens": 0, "ms": 1},
+             {"new_tokens": 256, "context_tokens": 2048, "ms": float("nan")}, {"new_tokens": "x"}, None, 7,
+             {"new_tokens": 512, "context_tokens": 0, "ms": 1e12}]
+    assert model.observe_calibration("prefill", steps) == 1
+    assert model.observe_calibration("prefill", {"new_tokens": 1}) == 0
+    assert model.observe_calibration("decode", [steps[0]] * 100) == paths.MAX_CALIBRATION_STEPS
+    # A machine three times faster than the prior: its five timed shapes become the fit's prior, and the shapes
+    # between them are predicted from this machine's speed.
+    truth = lambda n, c: (0.5 + 0.03 * n + 0.02 * n * c / 1e3 + 0.01 * n * n / 2e3)  # noqa: E731
+    fast = CostModel()
+    fast.observe_calibration("prefill", [{"new_tokens": n, "context_tokens": c, "ms": truth(n, c)}
+                                         for n, c in [(512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096)]])
+    for n, c in [(3000, 0), (300, 5000), (60, 3000)]:
+        assert fast.compute_ms("prefill", n, c) == pytest.approx(truth(n, c), rel=0.02)
+        assert fast.compute_ms("decode", n, c) == pytest.approx(truth(n, c), rel=0.02)  # D's stands in until measured
+        assert CostModel().compute_ms("prefill", n, c) > 2 * truth(n, c)
+
+
 def test_a_worker_slower_than_predicted_still_owes_all_the_work_it_has_not_begun():
     from kvturn.router.workers import WorkerPool
     worker = WorkerPool(["http://p"], "prefill").workers[0]

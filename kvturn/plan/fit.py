@@ -6,7 +6,7 @@ import numpy as np
 from kvturn.bench.compare import LEGS
 from kvturn.config import EngineConfig, default_of
 from kvturn.plan.rows import Row, busy_share, decode_interval, prefill_interval, rows_of
-from kvturn.router.paths import ComputeFit
+from kvturn.router.paths import ComputeFit, nonnegative_lstsq
 
 BLOCK_SIZE = default_of(EngineConfig, "block_size")
 MIN_FIT_SAMPLES = 4
@@ -40,20 +40,6 @@ def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, floa
     y = np.array([ms for _, ms in samples])
     coefficients = nonnegative_lstsq(x / y[:, None], np.ones(len(y)), [0, 1, 2])
     return tuple(float(c) for c in coefficients)
-
-
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
-    """Least squares of y on the columns `active` of x, the most negative coefficient dropped and the rest refitted
-    until none is negative; every column's coefficient, zero where dropped."""
-    active = list(active)
-    while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (solution >= 0).all():
-            break
-        active.pop(int(np.argmin(solution)))
-    coefficients = np.zeros(x.shape[1])
-    coefficients[active] = solution
-    return coefficients
 
 
 def predict_compute(coefficients, chunks: Chunks) -> float:

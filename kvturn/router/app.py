@@ -55,6 +55,8 @@ class RouterMetrics:
         self.prediction_error = Histogram("kvturn_router_path_prediction_error_ratio", "|predicted - actual| / actual "
                                           "time to first token of the chosen path", ["path"],
                                           buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=self.registry)
+        self.calibration_steps = Counter("kvturn_router_calibration_steps", "Prefill steps learned from workers' "
+                                         "start-up calibration", ["role"], registry=self.registry)
         self.state_healthy = Gauge("kvturn_router_state_healthy", "1 while the conversation store answers",
                                    registry=self.registry)
         self.state_errors = Counter("kvturn_router_state_errors", "Conversation store calls that failed (the turn "
@@ -100,6 +102,23 @@ class Router:
             self.decode.follow_registry(registered.get("decode", []))
         await asyncio.gather(self.prefill.check(self.http), self.decode.check(self.http))
         await self.vllm.detect(self.http, self.prefill.workers + self.decode.workers)
+        await asyncio.gather(*(self.learn_calibration(w) for w in self.prefill.workers + self.decode.workers
+                               if w.healthy and not w.calibration_asked))
+
+    async def learn_calibration(self, worker) -> None:
+        """Teach the cost model the prefill steps a kvturn worker timed at start-up, once per worker, so that the
+        first turns are predicted from this cluster's speed rather than a prior (a vLLM worker has none)."""
+        worker.calibration_asked = True
+        if worker.backend == "vllm":
+            return
+        try:
+            response = await self.http.get(f"{worker.url}/kv/calibration", timeout_s=2.0)
+            steps = response.json().get("prefill_steps") if response.status == 200 else None
+        except (Unreachable, ValueError, AttributeError):
+            return
+        taken = self.costs.observe_calibration(worker.role, steps)
+        self.metrics.calibration_steps.labels(worker.role).inc(taken)
+        log.info("%s worker %s: learned %d calibration steps", worker.role, worker.url, taken)
 
     async def _health_loop(self) -> None:
         while True:

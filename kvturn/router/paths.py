@@ -25,6 +25,22 @@ OUTLIER = 4.0  # a compute sample counts at most this many times above or below 
 TOKENS_PER_BYTE = (0.02, 1.5)
 MIN_ADDED_BYTES = 32  # fewer added bytes say more about the template than about the text
 PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
+MAX_CALIBRATION_STEPS = 16  # of a worker's start-up timings: they may not outweigh what its requests measure
+CALIBRATION_WEIGHT = 4.0  # a start-up step counts as this many requests (timed alone, the best of two)
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
+    """Least squares of y on the columns `active` of x, the most negative coefficient dropped and the rest refitted
+    until none is negative; every column's coefficient, zero where dropped."""
+    active = list(active)
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            break
+        active.pop(int(np.argmin(solution)))
+    coefficients = np.zeros(x.shape[1])
+    coefficients[active] = solution
+    return coefficients
 
 
 def shared_steps(report: dict) -> bool:
@@ -68,16 +84,29 @@ class ComputeFit:
     def _terms(new_tokens: int, context: int) -> np.ndarray:
         return np.array([1.0, float(new_tokens), new_tokens * context / 1e3, new_tokens * new_tokens / 2e3])
 
-    def add(self, new_tokens: int, context: int, ms: float) -> None:
+    def add(self, new_tokens: int, context: int, ms: float, weight: float = 1.0) -> None:
+        """`weight`: how many ordinary samples this one counts as (a worker's calibration, timed alone, best of two)."""
         if new_tokens > 0 and ms > 0:
             if self.calibrated:  # one stalled sample (a swap, a stop) may move the fit only so far
                 expected = self.predict(new_tokens, context)
                 ms = min(max(ms, expected / OUTLIER), expected * OUTLIER)
             x = self._terms(new_tokens, context) / self.SCALE
-            self._gram = FORGET * self._gram + np.outer(x, x)
-            self._moment = FORGET * self._moment + ms * x
+            self._gram = FORGET * self._gram + weight * np.outer(x, x)
+            self._moment = FORGET * self._moment + weight * ms * x
             self.samples += 1
             self._stale = True
+
+    def adopt_prior(self, samples: list[tuple[int, int, float]]) -> bool:
+        """Make the fit of `samples` (new tokens, context, ms: a worker's start-up calibration) the prior that the
+        fit is pulled towards: least relative squares, no term negative."""
+        if len({(n, context) for n, context, _ in samples}) < len(self.prior):
+            return False
+        x, ms = np.array([self._terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
+        solution = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(len(self.prior))))  # relative
+        if not np.all(np.isfinite(solution)) or not solution.any():
+            return False
+        self.prior, self._stale = solution, True
+        return True
 
     @property
     def calibrated(self) -> bool:
@@ -207,6 +236,25 @@ class CostModel:
         if direction == "p_to_d" and self.handoff_read_ms_per_mib.values:
             per_mib = self.handoff_read_ms_per_mib.value
         return tokens * self.bytes_per_token.value / 2**20 * per_mib
+
+    def observe_calibration(self, role: str, steps) -> int:
+        """Learn the prefill steps a `role` worker timed at start-up (its /kv/calibration); returns how many were
+        taken. A worker's reply is checked like any peer's: a step that is not (tokens > 0, context >= 0, ms > 0)
+        within sane bounds is left out."""
+        taken = []
+        for step in steps if isinstance(steps, list) else []:
+            try:
+                n, context, ms = int(step["new_tokens"]), int(step["context_tokens"]), float(step["ms"])
+            except (TypeError, KeyError, ValueError, OverflowError):
+                continue
+            if 0 < n <= 2**20 and 0 <= context <= 2**24 and 0 < ms < 3.6e6 and len(taken) < MAX_CALIBRATION_STEPS:
+                taken.append((n, context, ms))
+        fit = self.prefill[role]
+        if not fit.calibrated:  # the first worker of the role sets the prior; later ones only add samples
+            fit.adopt_prior(taken)
+        for n, context, ms in taken:
+            fit.add(n, context, ms, CALIBRATION_WEIGHT)
+        return len(taken)
 
     def observe_prefill(self, role: str, report: dict) -> None:
         """Learn from a worker's `kvturn` report of one request."""

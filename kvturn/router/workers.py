@@ -27,6 +27,7 @@ class WorkerState:
     backend: str = "unknown"  # kvturn or vllm, once asked (router/vllm_backend.py)
     pending: dict = field(default_factory=dict)  # id(claim) -> (its predicted work in ms, when it came)
     token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
+    calibration_asked: bool = False  # its start-up prefill timings were asked for (router app: learn_calibration)
     last_done: float = 0.0  # when a request's predicted work was last done: the worker then took up the others
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # seconds; `kvturn plan` simulates it
 

@@ -157,6 +157,11 @@ def create_app(config: WorkerConfig) -> FastAPI:
             return error_response(503, "engine is not running")
         return {"status": "ok", "role": config.role, "engine_id": worker.engine_id, "backend": "kvturn"}
 
+    @app.get("/kv/calibration")
+    async def calibration():
+        """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request."""
+        return {"role": config.role, "prefill_steps": worker.calibration}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": worker.model_name, "object": "model", "created": 0,

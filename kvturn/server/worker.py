@@ -13,6 +13,7 @@ import httpx
 
 from kvturn.config import WorkerConfig
 from kvturn.engine.async_engine import AsyncEngine
+from kvturn.engine.calibration import time_prefill_steps
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import Sequence
@@ -40,6 +41,8 @@ class Worker:
         eos = set(model.config.eos_token_ids) | {self.tokenizer.eos_token_id}
         self.engine = LLMEngine(model, config.engine, emit=lambda out: None, detokenize=self.tokenizer.decode,
                                 eos_token_ids=eos)
+        # Before the connector registers the pool and any request comes: the steps use free blocks only.
+        self.calibration = time_prefill_steps(self.engine) if config.calibrate else []
         self.connector = KVConnector(self.engine, config.connector) if config.transfers_kv else None
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(self.engine, self.connector)
