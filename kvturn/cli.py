@@ -230,6 +230,9 @@ def bench(
     seed: int = typer.Option(0),
     model: Optional[Path] = ModelOption,
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
+    pin_workers: bool = typer.Option(False, "--pin-workers", help="with --compare: prefill workers on half of this "
+                                     "machine's cores, decode workers on the other half, one thread a core, as on "
+                                     "machines of their own (a colocated worker, the router and the client: all)"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
 ):
     """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""
@@ -265,8 +268,8 @@ def bench(
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
     if compare:
-        results = comparison.run_legs(model_dir, chosen_legs(legs), spec, conversations, seed, kv_cache_mb, out_dir / "logs",
-                                      console, source, sessions)
+        results = comparison.run_legs(model_dir, chosen_legs(legs), spec, conversations, seed, kv_cache_mb,
+                                      out_dir / "logs", console, source, sessions, pin_workers)
     else:
         results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                                request_rate=request_rate, warmup_turns=warmup_turns,
@@ -275,7 +278,8 @@ def bench(
     ideal = comparison.ideal_speedup(results, model_dir) if compare else None
     info = machine()
     console.print(report.verdict(summaries))
-    report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores)", console)
+    pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
+    report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})", console)
     if ideal and "ideal_speedup" in ideal:
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
                       f"{ideal['ttft_on_ms']:.0f} ms (ON) = {ideal['measured_speedup']:.2f}x; ideal "
@@ -293,7 +297,7 @@ def bench(
                       f"pull only; adaptive took {v['adaptive_paths']}; predicted TTFT within 20%: "
                       + ", ".join(f"{k} {x:.0%}" for k, x in v["predicted_within_20pct"].items() if x is not None))
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
-               "machine": info, "seed": seed, "summaries": summaries, "ideal_speedup": ideal, "paths": paths_verdict,
+               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "summaries": summaries, "ideal_speedup": ideal, "paths": paths_verdict,
                "legs": {leg: result.to_json() for leg, result in results.items()}}
     json_path = write_json(out_dir / "results.json", payload)
     plots = report.plot_all(results, out_dir)

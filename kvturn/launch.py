@@ -49,11 +49,29 @@ def _end_with_parent() -> None:
         pass
 
 
-def start(args: list[str], log_path: Path | None = None, env: dict | None = None) -> subprocess.Popen:
-    """Run `python -m kvturn.cli ARGS` in its own process group; it ends when this process does."""
+def start(args: list[str], log_path: Path | None = None, env: dict | None = None,
+          cpus: set[int] | None = None) -> subprocess.Popen:
+    """Run `python -m kvturn.cli ARGS` in its own process group; it ends when this process does. With `cpus` it
+    runs on those cores only, one compute thread on each."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    env = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {})}
+
+    def in_child() -> None:
+        _end_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
     return subprocess.Popen([sys.executable, "-m", "kvturn.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True, preexec_fn=_end_with_parent)
+                            env=env, start_new_session=True, preexec_fn=in_child)
+
+
+def split_cores() -> dict[str, set[int]] | None:
+    """This process's cores halved: the first half for prefill workers, the rest for decode workers (None with fewer
+    than two), so that on one machine P and D compute side by side as on machines of their own."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return {"prefill": set(cores[:half]), "decode": set(cores[half:])}
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
@@ -87,14 +105,15 @@ class LocalStack:
 
     `url` is what clients talk to (the router, or the colocated worker). The stack is closed by default: its
     processes share a cluster secret made for it (or KVTURN_CLUSTER_SECRET from `env`), passed in their
-    environment. With `base_port` the router listens there and the workers on the ports after it.
+    environment. With `base_port` the router listens there and the workers on the ports after it. With
+    `pin_workers` prefill workers run on half of the machine's cores and decode workers on the other half.
     """
 
     def __init__(self, model_dir: str, mode: str = "pd", bidirectional: bool = True,
                  prefix_caching_on_prefill: bool = True, num_decode: int = 1, kv_cache_mb: int = 512,
                  worker_args: list[str] = (), prefill_args: list[str] = (), decode_args: list[str] = (),
                  router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None,
-                 base_port: int | None = None):
+                 base_port: int | None = None, pin_workers: bool = False):
         self.model_dir, self.mode = str(model_dir), mode
         self.bidirectional, self.prefix_caching_on_prefill = bidirectional, prefix_caching_on_prefill
         self.num_decode, self.kv_cache_mb = num_decode, kv_cache_mb
@@ -104,6 +123,7 @@ class LocalStack:
         self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), **(env or {})}
         self.cluster_secret = self.env["KVTURN_CLUSTER_SECRET"]
         self.base_port = base_port
+        self.cores = split_cores() if pin_workers else None  # role -> cores; a colocated worker and the router: all
         self._worker_ports = iter(range(base_port + 1, base_port + 64)) if base_port else None
         self.processes: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
@@ -125,7 +145,7 @@ class LocalStack:
         if self.bidirectional and role != "both":
             args.append("--bidirectional")
         self.args[name] = args
-        self.processes[name] = start(args, self._log(name), self.env)
+        self.processes[name] = start(args, self._log(name), self.env, (self.cores or {}).get(role))
         self.urls[name] = f"http://127.0.0.1:{port}"
 
     def start(self) -> "LocalStack":

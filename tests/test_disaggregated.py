@@ -1,5 +1,6 @@
 """P/D disaggregation and bidirectional KV transfer: real worker processes, real NIXL reads on loopback."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -245,3 +246,16 @@ def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(tin
         assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
         _, results = conversation(stack.url, 2, conversation_id="introduced")
         assert results[1]["kvturn"]["reuse"] == "reused"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(tiny_model_dir, tmp_path, reference):
+    """`kvturn bench --pin-workers`: P on the first half of the cores, D on the rest, one compute thread a core."""
+    cores = sorted(os.sched_getaffinity(0))
+    half = len(cores) // 2
+    with LocalStack(tiny_model_dir, kv_cache_mb=32, log_dir=tmp_path, pin_workers=True) as stack:
+        assert os.sched_getaffinity(stack.processes["prefill"].pid) == set(cores[:half])
+        assert os.sched_getaffinity(stack.processes["decode0"].pid) == set(cores[half:])
+        assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
+        _, results = conversation(stack.url, 2, conversation_id="pinned")
+    assert [r["text"] for r in results] == [r["text"] for r in reference[1][:2]]

@@ -106,7 +106,8 @@ def warm_up(url: str, source: workload.TextSource) -> None:
 
 
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
-             log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None) -> dict:
+             log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
+             pin_workers: bool = False) -> dict:
     results = {}
     for name in legs:
         leg = LEGS[name]
@@ -115,7 +116,7 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
                            prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                            worker_args=scenario.worker_args, decode_args=scenario.decode_args,
                            router_args=["--path-policy", leg.path_policy],
-                           log_dir=log_dir / name.replace("/", "_"))
+                           log_dir=log_dir / name.replace("/", "_"), pin_workers=pin_workers)
         with stack:
             warm_up(stack.url, source)
             results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
