@@ -3,7 +3,7 @@
 A router predicts each turn's path from its measured compute (router/paths.py); with no request seen yet, a
 fresh cluster would predict its first turns from a prior written for some other machine. Each worker instead
 times a few prefill steps at start-up, from scratch and on top of a context, and serves them at
-`/kv/calibration`; routers learn them as they learn a response's timing. Workers on one machine take turns (a
+`/kv/calibration`; a router fits them into the prior of its cost model. Workers on one machine take turns (a
 lock file): two timing their steps at once would each measure the other's load, 2-20x the time alone.
 """
 import fcntl
@@ -26,7 +26,7 @@ LOCK = Path(tempfile.gettempdir()) / "kvturn-calibration.lock"
 
 
 def time_prefill_steps(engine: LLMEngine, chains=CHAINS) -> list[dict]:
-    """[{new_tokens, context_tokens, ms}] of one forward step each, on random tokens, before any request. A chain
+    """[{new_tokens, context_tokens, ms}] of one forward step each, on arbitrary tokens, before any request. A chain
     that the KV pool or the model's length cannot hold is left out; the first step is run twice (the first run of a
     shape allocates), and each step twice, of which the faster counts."""
     try:
