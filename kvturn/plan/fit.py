@@ -27,7 +27,7 @@ def features(chunks: Chunks) -> np.ndarray:
     steps they shared, the per-token and attention terms for each."""
     total = np.zeros(3)
     for new, context in chunks:
-        total += ComputeFit._features(new, context)
+        total += ComputeFit.plan_terms(new, context)
     total[0] = 1.0
     return total
 

@@ -76,7 +76,7 @@ class ComputeFit:
         self._moment = np.zeros(4)
 
     @staticmethod
-    def _features(new_tokens: int, context: int) -> np.ndarray:
+    def plan_terms(new_tokens: int, context: int) -> np.ndarray:
         """The three terms of a + b*n + k*n*(context + n/2), the form kvturn/plan fits."""
         return np.array([1.0, float(new_tokens), new_tokens * (context + new_tokens / 2) / 1e3])
 
