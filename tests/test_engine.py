@@ -135,3 +135,14 @@ def test_a_sequence_continues_from_a_first_token_sampled_elsewhere(tiny_model_di
         llm.engine.step()
     rest = llm.generate([prompts[1] + [forced]], SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True))[0]
     assert seq.output_token_ids == [forced] + rest
+
+
+def test_start_up_calibration_times_what_the_pool_holds_within_its_budget(tiny_model_dir, monkeypatch):
+    from kvturn.engine import calibration
+    llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=200))  # 3200 tokens: the 4096-token chain cannot fit
+    free = llm.engine.block_manager.num_free_blocks
+    steps = calibration.time_prefill_steps(llm.engine)
+    assert [(s["new_tokens"], s["context_tokens"]) for s in steps] == [(512, 0), (2048, 0), (256, 2048)]
+    assert all(s["ms"] > 0 for s in steps) and llm.engine.block_manager.num_free_blocks == free
+    monkeypatch.setattr(calibration, "BUDGET_S", 0.0)  # a model too slow for the budget: the first chain only
+    assert [s["new_tokens"] for s in calibration.time_prefill_steps(llm.engine)] == [512]

@@ -22,13 +22,15 @@ log = logging.getLogger("kvturn.engine")
 # sizes, and a few hundred tokens on top of 2k and 4k tokens of context (an agent's turn on a retained history).
 CHAINS = ((512,), (2048, 256), (4096, 256))
 REPEATS = 2  # of each step; a process starting beside this one (imports, loading) may slow one of them
+BUDGET_S = 5.0  # past this, no further chain starts: a large model on a CPU is timed on the first chains only
 LOCK = Path(tempfile.gettempdir()) / "kvturn-calibration.lock"
 
 
 def time_prefill_steps(engine: LLMEngine, chains=CHAINS) -> list[dict]:
     """[{new_tokens, context_tokens, ms}] of one forward step each, on arbitrary tokens, before any request. A chain
-    that the KV pool or the model's length cannot hold is left out; the first step is run twice (the first run of a
-    shape allocates), and each step twice, of which the faster counts."""
+    that the KV pool or the model's length cannot hold is left out, and so are the chains that would start after
+    BUDGET_S; the first step is run once more before it is timed (the first run of a shape allocates), and each
+    step twice, of which the faster counts."""
     try:
         lock = open(LOCK, "a")
     except OSError:  # another user's file: time the steps untidily rather than not at all
@@ -43,9 +45,12 @@ def _time_prefill_steps(engine: LLMEngine, chains) -> list[dict]:
     vocab = runner.model.config.vocab_size
     room = min(engine.max_model_len - 1, blocks.num_free_blocks * block_size)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    samples, warmed = [], False
+    samples, warmed, started_s = [], False, time.perf_counter()
     for chain in chains:
         total = sum(chain)
+        if samples and time.perf_counter() - started_s > BUDGET_S:
+            log.info("prefill calibration stopped after %.1f s, before the %d-token steps", BUDGET_S, total)
+            break
         if total > room:
             continue
         # One more token than computed: the steps never reach the prompt's end, so none samples a token.
