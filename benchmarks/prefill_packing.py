@@ -71,9 +71,10 @@ def main() -> None:
         times, total = first_token_ms(llm, prompts, "measured")
         rows.append({"mode": f"together, pack {pack}", "ttft_ms": times, "total_ms": total})
 
-    table = Table(caption="one at a time: each prompt alone, queued behind the ones before it; pack N: "
-                          "prefill_pack_tokens=N", title=f"{args.prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens arriving together, "
-                        f"step budget {args.budget} ({machine()['cpu']}, {machine()['cores']} cores)")
+    table = Table(title=f"{args.prompts} prompts of {args.min_tokens}-{args.max_tokens} tokens arriving together, "
+                        f"step budget {args.budget} ({machine()['cpu']}, {machine()['cores']} cores)",
+                  caption="one at a time: each prompt alone, queued behind the ones before it; pack N: "
+                          "prefill_pack_tokens=N")
     for column in ("mode", "TTFT mean", "TTFT p50", "first's TTFT", "all done", "/ one at a time"):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for row in rows:

@@ -50,8 +50,9 @@ class EngineConfig:
     num_kv_blocks: int | None = setting(None, "blocks in the KV pool (overrides --kv-cache-mb)")
     max_num_seqs: int = setting(32, "most requests running at once")
     max_num_batched_tokens: int = setting(8192, "token budget of one step (chunked prefill)")
-    prefill_pack_tokens: int = setting(512, "a step starts another prompt only while it computes fewer prompt "
-                                            "tokens than this (past it, packing delays the first prompt)")
+    prefill_pack_tokens: int = setting(512, "prompt tokens that prompts sharing a step may compute (one prompt "
+                                            "alone may take the whole budget; past this, packing only delays "
+                                            "the first on a CPU)")
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")

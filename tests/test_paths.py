@@ -118,12 +118,19 @@ def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_de
 
 def test_a_workers_calibration_is_checked_before_it_is_learned():
     model = CostModel()
-    steps = [{"new_tokens": 2048, "context_tokens": 0, "ms": 300.0}, {"new_tokens": -5, "context_tokens": 0, "ms": 1},
-             {"new_tokens": 256, "context_tokens": 2048, "ms": float("nan")}, {"new_tokens": "x"}, None, 7,
-             {"new_tokens": 512, "context_tokens": 0, "ms": 1e12}]
-    assert model.observe_calibration("prefill", steps) == 1
+    good = {"new_tokens": 2048, "context_tokens": 0, "ms": 300.0}
+    steps = [good, {"new_tokens": -5, "context_tokens": 0, "ms": 1}, {"new_tokens": 256, "context_tokens": 2048,
+             "ms": float("nan")}, {"new_tokens": "x"}, None, 7, {"new_tokens": 512, "context_tokens": 0, "ms": 1e12},
+             {"new_tokens": True, "context_tokens": False, "ms": True}, {"new_tokens": "512", "context_tokens": 0,
+             "ms": 50}, {"new_tokens": 512, "context_tokens": 0, "ms": 1e-300}, {"new_tokens": 512,
+             "context_tokens": 0, "ms": float("inf")}, {"new_tokens": 2**40, "context_tokens": 0, "ms": 5.0}]
     assert model.observe_calibration("prefill", {"new_tokens": 1}) == 0
-    assert model.observe_calibration("decode", [steps[0]] * 100) == paths.MAX_CALIBRATION_STEPS
+    assert model.observe_calibration("prefill", steps) == 1
+    assert model.observe_calibration("nonsense", [good]) == 0
+    assert model.observe_calibration("decode", [good] * 100) == paths.MAX_CALIBRATION_STEPS
+    # Only the first workers of a role teach it: a fleet of idle workers must not outweigh measured requests.
+    assert model.observe_calibration("prefill", [good]) == 1
+    assert model.observe_calibration("prefill", [good]) == 0
     # A machine three times faster than the prior: its five timed shapes become the fit's prior, and the shapes
     # between them are predicted from this machine's speed.
     truth = lambda n, c: (0.5 + 0.03 * n + 0.02 * n * c / 1e3 + 0.01 * n * n / 2e3)  # noqa: E731
@@ -254,3 +261,44 @@ def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
     assert model.correction[choice.path].value == 1.0
     model.observe_prefill("decode", alone)
     assert model.prefill["decode"].samples == 1
+
+
+@pytest.mark.parametrize("reply", [b'{"prefill_steps": [{"new_tokens": 512, "context_tokens": 0, "ms": 1e-300}]}',
+                                   b'{"prefill_steps": "many"}', b'[1, 2]', b'not json', b'{"prefill_steps": [['
+                                   b'true]]}'])
+def test_a_workers_hostile_calibration_reply_neither_stops_the_router_nor_teaches_it(reply):
+    """A real router starting in front of a worker that answers /kv/calibration with junk: it starts, learns
+    nothing, and predicts from its prior."""
+    import asyncio
+
+    from aiohttp import web
+
+    from kvturn.config import RouterConfig
+    from kvturn.router.app import Router
+
+    async def scenario():
+        async def health(_):
+            return web.json_response({"status": "ok", "backend": "kvturn"})
+
+        async def calibration(_):
+            return web.Response(body=reply, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/kv/calibration", calibration)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        router = Router(RouterConfig(prefill_urls=[url], decode_urls=[url]))
+        try:
+            await router.start()
+            return router.costs, router.prefill.workers[0].calibration_asked
+        finally:
+            await router.stop()
+            await runner.cleanup()
+
+    costs, asked = asyncio.run(scenario())
+    assert asked and costs.calibrations == {"prefill": 0, "decode": 0}
+    assert costs.compute_ms("prefill", 3000, 0) == CostModel().compute_ms("prefill", 3000, 0)

@@ -24,6 +24,7 @@ CHAINS = ((512,), (2048, 256), (4096, 256))
 REPEATS = 2  # of each step; a process starting beside this one (imports, loading) may slow one of them
 BUDGET_S = 5.0  # past this, no further chain starts: a large model on a CPU is timed on the first chains only
 LOCK = Path(tempfile.gettempdir()) / "kvturn-calibration.lock"
+LOCK_WAIT_S = 30.0
 
 
 def time_prefill_steps(engine: LLMEngine, chains=CHAINS) -> list[dict]:
@@ -35,8 +36,17 @@ def time_prefill_steps(engine: LLMEngine, chains=CHAINS) -> list[dict]:
         lock = open(LOCK, "a")
     except OSError:  # another user's file: time the steps untidily rather than not at all
         return _time_prefill_steps(engine, chains)
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with lock:  # the lock goes with the file
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # a stopped neighbour must not keep this worker from starting
+                    log.warning("prefill calibration: %s held for %.0f s; timing without it", LOCK, LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
         return _time_prefill_steps(engine, chains)
 
 

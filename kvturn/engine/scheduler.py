@@ -4,8 +4,9 @@ admission with prefix-cache hits, reclaiming retained blocks before preempting a
 Prompts are packed into one step only while the step is small. A step's time grows with every token it computes
 (on a CPU from a few hundred tokens on; `benchmarks/prefill_packing.py` measures it), so a second long prompt in
 the step of a first only delays the first, and the prompts then end together in groups whose time depends on
-prompts that came later. Past `prefill_pack_tokens` prompt tokens a step starts no other prompt: each prompt
-ends after the ones before it and its own compute, which is what the router predicts."""
+prompts that came later. A step takes on prompt tokens up to `prefill_pack_tokens` only (one prompt alone may
+take the whole budget; one that joins others gets what is left and goes on in the next steps): each prompt ends
+after the ones before it and its own compute, which is what the router predicts."""
 from collections import deque
 from typing import Callable
 
@@ -54,10 +55,12 @@ class Scheduler:
                 continue
             batch.append((seq, num_new))
             budget -= num_new
-            prompt_tokens += num_new if seq.num_output_tokens == 0 else 0
-        while (self.waiting and budget > 0 and prompt_tokens < self.prefill_pack_tokens
-               and len(self.running) + len(self.loading) < self.max_num_seqs):
+            prompt_tokens += num_new if num_new > 1 else 0  # a decode computes one token
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
+            room = self.prefill_pack_tokens - prompt_tokens  # prompt tokens this step may still take on
+            if room <= 0 and seq.remote is None:
+                break  # (a prompt whose KV a peer holds computes nothing yet: its read may start now)
             hashes = self._admit_blocks(seq)
             if hashes is None:
                 break
@@ -68,10 +71,12 @@ class Scheduler:
                 self.loading.append(seq)
                 continue
             self.running.append(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            batch.append((seq, num_new))
-            budget -= num_new
-            prompt_tokens += num_new
+            # A prompt joining others computes only what the pack limit leaves; it goes on in the next steps.
+            num_new = min(seq.num_uncomputed_tokens, budget if prompt_tokens == 0 else min(budget, room))
+            if num_new > 0:
+                batch.append((seq, num_new))
+                budget -= num_new
+                prompt_tokens += num_new
         return batch
 
     def _admit_blocks(self, seq: Sequence) -> list[int] | None:

@@ -1,6 +1,6 @@
 """A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
-chunks of waiting prompts within the token budget, starting no other prompt past `prefill_pack_tokens` prompt
-tokens, as kvturn's scheduler does. Steps with no prefill in them
+chunks of waiting prompts within the token budget, a prompt that joins others taking on only what
+`prefill_pack_tokens` leaves, as kvturn's scheduler does. Steps with no prefill in them
 are taken many at a time (until the next request finishes or one arrives), so a long decode is a few events,
 not one per token."""
 import heapq
@@ -136,9 +136,10 @@ class StepLoop:
         slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
         prompt_tokens = 0
         for job in self.prefilling:
-            if budget <= 0 or (prompt_tokens >= self.prefill_pack_tokens and not job.started):
+            room = self.prefill_pack_tokens - prompt_tokens
+            if budget <= 0 or (room <= 0 and not job.started):
                 break
-            n = min(job.prefill_tokens, budget)
+            n = min(job.prefill_tokens, budget if job.started or prompt_tokens == 0 else min(budget, room))
             chunks.append((job, n))
             budget -= n
             prompt_tokens += n

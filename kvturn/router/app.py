@@ -107,16 +107,22 @@ class Router:
 
     async def learn_calibration(self, worker) -> None:
         """Teach the cost model the prefill steps a kvturn worker timed at start-up, once per worker, so that the
-        first turns are predicted from this cluster's speed rather than a prior (a vLLM worker has none)."""
-        worker.calibration_asked = True
-        if worker.backend == "vllm":
+        first turns are predicted from this cluster's speed rather than a prior (a vLLM worker has none). A worker
+        that does not answer is asked again at the next check."""
+        if worker.backend != "kvturn":
+            worker.calibration_asked = worker.backend == "vllm"
             return
         try:
             response = await self.http.get(f"{worker.url}/kv/calibration", timeout_s=2.0)
-            steps = response.json().get("prefill_steps") if response.status == 200 else None
-        except (Unreachable, ValueError, AttributeError):
+        except Unreachable:
             return
-        taken = self.costs.observe_calibration(worker.role, steps)
+        worker.calibration_asked = True
+        try:
+            steps = response.json().get("prefill_steps") if response.status == 200 else None
+            taken = self.costs.observe_calibration(worker.role, steps)
+        except Exception:  # a worker's reply, whatever it holds, must not stop the router
+            log.warning("%s worker %s: unusable calibration reply", worker.role, worker.url, exc_info=True)
+            return
         self.metrics.calibration_steps.labels(worker.role).inc(taken)
         log.info("%s worker %s: learned %d calibration steps", worker.role, worker.url, taken)
 

@@ -4,6 +4,7 @@ compute the new tokens on P, or compute the new tokens on D, which already holds
 `CostModel` learns from what every response reports (compute time against tokens computed and context,
 NIXL bytes against time, and the time nobody's compute or transfer explains); `choose` is pure.
 """
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,8 +26,12 @@ OUTLIER = 4.0  # a compute sample counts at most this many times above or below 
 TOKENS_PER_BYTE = (0.02, 1.5)
 MIN_ADDED_BYTES = 32  # fewer added bytes say more about the template than about the text
 PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
-MAX_CALIBRATION_STEPS = 16  # of a worker's start-up timings: they may not outweigh what its requests measure
-CALIBRATION_WEIGHT = 4.0  # a start-up step counts as this many requests (timed alone, the best of two)
+# A worker's start-up steps each count as CALIBRATION_WEIGHT requests (timed alone, the best of two), from at most
+# CALIBRATION_WORKERS workers of a role and MAX_CALIBRATION_STEPS steps each: 2 x 5 x 4 = 40 with kvturn's five,
+# about what the last ~30 requests weigh; each measured request then decays them by FORGET.
+CALIBRATION_WEIGHT = 4.0
+CALIBRATION_WORKERS = 2
+MAX_CALIBRATION_STEPS = 8
 
 
 def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
@@ -41,6 +46,19 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.nda
     coefficients = np.zeros(x.shape[1])
     coefficients[active] = solution
     return coefficients
+
+
+def calibration_step(step) -> tuple[int, int, float] | None:
+    """(new tokens, context, ms) of one step of a worker's start-up calibration, or None for anything that is not
+    a plausible measurement: whole token counts, a finite time, between 10 ns and 10 s a token."""
+    if not isinstance(step, dict):
+        return None
+    n, context, ms = step.get("new_tokens"), step.get("context_tokens"), step.get("ms")
+    if type(n) is not int or type(context) is not int or type(ms) not in (int, float) or not math.isfinite(ms):
+        return None
+    if 0 < n <= 2**20 and 0 <= context <= 2**24 and 1e-5 <= ms / n <= 1e4:
+        return n, context, float(ms)
+    return None
 
 
 def shared_steps(report: dict) -> bool:
@@ -67,6 +85,7 @@ class ComputeFit:
         if len(prior) == 3:
             prior = (*prior, prior[2])
         self.samples = 0
+        self.measured = 0  # samples of requests, not of a worker's start-up calibration
         self.prior = np.array(prior, dtype=float)
         self.coefficients = self.prior.copy()
         self._stale = False
@@ -84,16 +103,18 @@ class ComputeFit:
     def _terms(new_tokens: int, context: int) -> np.ndarray:
         return np.array([1.0, float(new_tokens), new_tokens * context / 1e3, new_tokens * new_tokens / 2e3])
 
-    def add(self, new_tokens: int, context: int, ms: float, weight: float = 1.0) -> None:
-        """`weight`: how many ordinary samples this one counts as (a worker's calibration, timed alone, best of two)."""
+    def add(self, new_tokens: int, context: int, ms: float, calibration: bool = False) -> None:
+        """`calibration`: a step a worker timed at start-up, not a request (it counts as CALIBRATION_WEIGHT)."""
         if new_tokens > 0 and ms > 0:
-            if self.calibrated:  # one stalled sample (a swap, a stop) may move the fit only so far
+            if self.measured >= MIN_SAMPLES:  # one stalled sample (a swap, a stop) may move the fit only so far
                 expected = self.predict(new_tokens, context)
                 ms = min(max(ms, expected / OUTLIER), expected * OUTLIER)
             x = self._terms(new_tokens, context) / self.SCALE
+            weight = CALIBRATION_WEIGHT if calibration else 1.0
             self._gram = FORGET * self._gram + weight * np.outer(x, x)
             self._moment = FORGET * self._moment + weight * ms * x
             self.samples += 1
+            self.measured += not calibration
             self._stale = True
 
     def adopt_prior(self, samples: list[tuple[int, int, float]]) -> bool:
@@ -102,7 +123,10 @@ class ComputeFit:
         if len({(n, context) for n, context, _ in samples}) < len(self.prior):
             return False
         x, ms = np.array([self._terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
-        solution = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(len(self.prior))))  # relative
+        try:
+            solution = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(len(self.prior))))  # relative
+        except np.linalg.LinAlgError:
+            return False
         if not np.all(np.isfinite(solution)) or not solution.any():
             return False
         self.prior, self._stale = solution, True
@@ -159,6 +183,7 @@ class CostModel:
     def __init__(self):
         # Priors: a small model on a CPU core; replaced by measurements after a few turns.
         self.prefill = {"prefill": ComputeFit(PRIOR), "decode": ComputeFit(PRIOR)}
+        self.calibrations = {role: 0 for role in self.prefill}  # workers whose start-up timings were learned
         # NIXL reads per direction: P's read of the history from D, and D's read of the new blocks from P, which
         # waits for D's engine step under way and so costs far more per MiB than P's.
         self.read_ms_per_mib = Typical(0.5)  # D->P
@@ -239,21 +264,20 @@ class CostModel:
 
     def observe_calibration(self, role: str, steps) -> int:
         """Learn the prefill steps a `role` worker timed at start-up (its /kv/calibration); returns how many were
-        taken. A worker's reply is checked like any peer's: a step that is not (tokens > 0, context >= 0, ms > 0)
-        within sane bounds is left out."""
-        taken = []
-        for step in steps if isinstance(steps, list) else []:
-            try:
-                n, context, ms = int(step["new_tokens"]), int(step["context_tokens"]), float(step["ms"])
-            except (TypeError, KeyError, ValueError, OverflowError):
-                continue
-            if 0 < n <= 2**20 and 0 <= context <= 2**24 and 0 < ms < 3.6e6 and len(taken) < MAX_CALIBRATION_STEPS:
-                taken.append((n, context, ms))
+        taken. Only the first CALIBRATION_WORKERS workers of a role teach it (a hundred idle workers must not
+        outweigh what requests measure), and their replies are checked like any peer's (calibration_step)."""
+        if role not in self.prefill or self.calibrations[role] >= CALIBRATION_WORKERS:
+            return 0
+        taken = [step for step in map(calibration_step, steps if isinstance(steps, list) else []) if step]
+        taken = taken[:MAX_CALIBRATION_STEPS]
+        if not taken:
+            return 0
+        self.calibrations[role] += 1
         fit = self.prefill[role]
-        if not fit.calibrated:  # the first worker of the role sets the prior; later ones only add samples
+        if not fit.measured:  # the role's first worker sets the prior; the next only adds samples
             fit.adopt_prior(taken)
         for n, context, ms in taken:
-            fit.add(n, context, ms, CALIBRATION_WEIGHT)
+            fit.add(n, context, ms, calibration=True)
         return len(taken)
 
     def observe_prefill(self, role: str, report: dict) -> None:
