@@ -77,14 +77,13 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
     for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "other p50", "TPOT p50", "TPOT p90", "session p50",
                 "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"):
         table.add_column(col, justify="right" if col != "reuse / declines" else "left")
-    nan = float("nan")
     for s in summaries:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items()))
         table.add_row(s["leg"], f"{s['requests'] - s['failed']}/{s['failed']}",
-                      f"{s['ttft_ms'].get('p50', nan):.0f} ms", f"{s['ttft_ms'].get('p90', nan):.0f} ms",
-                      f"{s.get('other_ms', {}).get('p50', nan):.0f} ms",
-                      f"{s['tpot_ms'].get('p50', nan):.1f} ms", f"{s['tpot_ms'].get('p90', nan):.1f} ms",
-                      f"{s['session_time_s'].get('p50', nan):.1f} s", outcomes,
+                      cell(s["ttft_ms"], "p50", "{:.0f} ms"), cell(s["ttft_ms"], "p90", "{:.0f} ms"),
+                      cell(s.get("other_ms", {}), "p50", "{:.0f} ms"),
+                      cell(s["tpot_ms"], "p50", "{:.1f} ms"), cell(s["tpot_ms"], "p90", "{:.1f} ms"),
+                      cell(s["session_time_s"], "p50", "{:.1f} s"), outcomes,
                       f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
                       f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")
     console.print(table)
@@ -236,12 +235,18 @@ def _details(extra: dict) -> str:
     return "".join(parts)
 
 
+def cell(stats: dict, key: str, form: str) -> str:
+    """A percentile for a table, or '-' where the leg has none (a colocated leg has no time outside its worker)."""
+    value = stats.get(key)
+    return "-" if value is None or value != value else form.format(value)
+
+
 def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict,
                splits: dict[str, dict] | None = None) -> Path:
     head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "other p50 ms", "TPOT p50 ms", "session p50 s",
             "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"]
     rows = [[s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
-             f"{s['ttft_ms'].get('p90', 0):.0f}", f"{s.get('other_ms', {}).get('p50', 0):.0f}",
+             f"{s['ttft_ms'].get('p90', 0):.0f}", cell(s.get("other_ms", {}), "p50", "{:.0f}"),
              f"{s['tpot_ms'].get('p50', 0):.1f}", f"{s['session_time_s'].get('p50', 0):.1f}",
              ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items())),
              f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
