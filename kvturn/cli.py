@@ -175,6 +175,8 @@ def serve(
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     path_policy: str = option(RouterConfig, "path_policy"),
     log_dir: Optional[Path] = typer.Option(None, help="write each process's log here"),
+    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill worker on half of this machine's cores, "
+                                     "decode worker on the other half, as on machines of their own"),
 ):
     """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack;
     Ctrl-C stops them all."""
@@ -189,8 +191,7 @@ def serve(
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, decode_args=decode_args,
                        router_args=["--path-policy", path_policy, *(a for key in api_key for a in ("--api-key", key))],
-                       log_dir=log_dir,
-                       base_port=port)
+                       log_dir=log_dir, base_port=port, pin_workers=pin_workers)
     stopping = False
 
     def shutdown(*_):
