@@ -12,6 +12,8 @@ one-token cap rather than finished, and a token whose text is complete UTF-8.
 import json
 from dataclasses import dataclass
 
+from kvturn.server.openai import choice_text
+
 REPLACEMENT_CHAR = "\ufffd"  # what a token that ends inside a UTF-8 sequence decodes to
 
 
@@ -51,7 +53,7 @@ class FirstToken:
         if not isinstance(kv, dict) or not isinstance(kv.get("first_token_id"), int):
             return None  # P kept no pin with its token: D samples for itself
         choice = choices[0]
-        text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
+        text = choice_text(choice, chat, delta=False)
         if choice.get("finish_reason") != "length" or not isinstance(text, str) or not text \
                 or REPLACEMENT_CHAR in text:
             return None

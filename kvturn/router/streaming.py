@@ -17,6 +17,7 @@ from kvturn.router.first_token import FirstToken, FirstTokenMismatch
 from kvturn.router.upstream import Stream, Unreachable
 from kvturn.router.vllm_backend import KVTURN
 from kvturn.router.workers import Claim
+from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 
@@ -88,8 +89,7 @@ class Streaming:
                     continue
                 chunk = fast_json.loads(payload)
                 for choice in chunk.get("choices") or []:
-                    answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
-                                  else choice.get("text") or "")
+                    answer.append(choice_text(choice, self.chat, delta=True) or "")
                 now = time.perf_counter()
                 if answer and answer[-1]:
                     claim.work_done()  # D has computed the prompt (a chat stream's first chunk only names the role)

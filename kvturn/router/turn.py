@@ -16,6 +16,7 @@ from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.upstream import Reply, Stream, Unreachable
 from kvturn.router.workers import Claim, UpstreamError, WorkerState
+from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
@@ -334,7 +335,7 @@ class Turn(Streaming):
             return self.unreadable_answer()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
-        answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
+        answer = choice_text(choice, self.chat, delta=False)
         await self.remember(worker.url, kv, answer)
         result["kvturn"] = self.merged_kvturn(result.get("kvturn"), worker.url)
         if self.want_kv and kv is not None:

@@ -24,6 +24,7 @@ from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_p
 from kvturn.router.vllm_retention import retain_streamed_turn
 from kvturn.router.work_clock import WorkClock
 from kvturn.router.workers import Claim
+from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends
@@ -239,7 +240,7 @@ class VLLMTurn(Turn):
             return self.unreadable_answer()
         kv = result.pop("kv_transfer_params", None)
         choice = (result.get("choices") or [{}])[0]
-        answer = (choice.get("message") or {}).get("content") if self.chat else choice.get("text")
+        answer = choice_text(choice, self.chat, delta=False)
         prompt_ids = self.echoed_prompt_ids(echoed) or ids_text(result.get("prompt_token_ids") or
                                                                 choice.get("prompt_token_ids"))
         retained = vllm_reuse.retained_token_ids(prompt_ids, ids_text(choice.get("token_ids")),
@@ -295,8 +296,7 @@ class VLLMTurn(Turn):
                 prompt_ids = prompt_ids or ids_text(chunk.get("prompt_token_ids"))
                 for choice in chunk.get("choices") or []:
                     prompt_ids = prompt_ids or ids_text(choice.get("prompt_token_ids"))
-                    answer.append((choice.get("delta") or {}).get("content") or "" if self.chat
-                                  else choice.get("text") or "")
+                    answer.append(choice_text(choice, self.chat, delta=True) or "")
                     output_ids.extend(choice.get("token_ids") or ())
                     finish_reason = choice.get("finish_reason") or finish_reason
                 if "kv_transfer_params" in chunk:  # vLLM with streamed params (after 0.32)
