@@ -155,8 +155,10 @@ class RouterConfig:
                                        "requests counts against 1 ms of this turn's time to first token")
     backend: str = setting("auto", "what the workers are: kvturn, vllm (vLLM with NixlConnector, bidirectional), or "
                                    "auto (asked per worker)")
-    tokenizer_dir: str | None = setting(None, "vLLM backend: model directory whose tokenizer and chat template give "
-                                              "the prompt's token ids here (default: ask prefill's /tokenize)")
+    tokenizer_dir: str | None = setting(None, "model directory whose tokenizer counts the tokens of the messages a "
+                                              "turn adds, to price its paths (default: estimated from their bytes); "
+                                              "vLLM backend: with its chat template it gives the prompt's token ids "
+                                              "here (default: ask prefill's /tokenize)")
     kv_recompute_threshold_tokens: int = setting(64, "vLLM backend: hand prefill a decode worker's KV only if at "
                                                      "least this many of its tokens are verified (vLLM's "
                                                      "kv_recompute_threshold)")

@@ -170,6 +170,8 @@ class LocalStack:
             args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
             for i in range(self.num_decode):
                 args += ["--decode", self.urls[f"decode{i}"]]
+            if "--tokenizer" not in self.router_args:
+                args += ["--tokenizer", str(self.model_dir)]  # the router counts what each turn adds
             self.args["router"] = [*args, *self.router_args]
             self.processes["router"] = start(self.args["router"], self._log("router"), self.env)
             self.urls["router"] = f"http://127.0.0.1:{port}"

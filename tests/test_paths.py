@@ -2,7 +2,7 @@
 through real processes."""
 import pytest
 
-from chat import conversation
+from chat import SYSTEM, conversation, send
 from kvturn.launch import LocalStack
 from kvturn.router import paths
 from kvturn.router.paths import ComputeFit, CostModel, TurnView, choose
@@ -302,3 +302,28 @@ def test_a_workers_hostile_calibration_reply_neither_stops_the_router_nor_teache
     costs, asked = asyncio.run(scenario())
     assert asked and costs.calibrations == {"prefill": 0, "decode": 0}
     assert costs.compute_ms("prefill", 3000, 0) == CostModel().compute_ms("prefill", 3000, 0)
+
+
+def test_with_the_models_tokenizer_the_router_counts_what_a_turn_adds(on_decode_stack):
+    # Two turns of words teach the router the bytes of this text; then a turn adds digits, which make about
+    # twice the tokens a byte: estimated from their bytes they would seem half as many as they are.
+    words = "the agent read the file and found nothing unusual in its contents " * 6
+    digits = " ".join(str(i % 10) for i in range(600))
+    messages = [{"role": "system", "content": SYSTEM}]
+    for turn, text in enumerate((words, words, digits)):
+        messages.append({"role": "user", "content": f"Tool result {turn}: {text}"})
+        result = send(on_decode_stack.url, messages, "counted", stream=False)
+        messages.append({"role": "assistant", "content": result["text"]})
+    path, computed = result["kvturn"]["path"], result["kvturn"]["decode"]["prompt_tokens_computed"]
+    assert path["chosen"] == paths.COMPUTE_ON_DECODE and computed > 500
+    assert abs(path["predicted_tokens_computed"] - computed) <= 0.1 * computed
+
+
+def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
+    model = CostModel()
+    assert model.added_tokens(300) == 300 + paths.ADDED_OVERHEAD_PRIOR
+    for added in (312, 311, 313, 312, 900, 312):  # one turn whose history was not what the lease held
+        model.observe_added(added, 300)
+    assert model.added_tokens(100) == 112
+    model.observe_added(300 + paths.ADDED_OVERHEAD_BOUND + 1, 300)  # out of bounds: not learned
+    assert model.added_tokens(100) == 112

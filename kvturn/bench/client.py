@@ -41,9 +41,12 @@ class RequestRecord:
     prefill_request_ms: float | None = None  # the router's round trip to P
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
     decode_compute_ms: float | None = None  # D computing prompt tokens itself (the compute-on-decode path)
+    decode_tokens_computed: int | None = None  # ...and how many it computed
     path: str | None = None  # the router's choice: recompute, pull or compute_on_decode
     first_token_from: str | None = None  # "prefill": the router sent P's token ahead, D's part is not in the TTFT
     predicted_ttft_ms: float | None = None  # what the router's cost model expected of that path
+    predicted_queue_ms: float | None = None  # ...of it, the work it expected queued ahead of the turn
+    predicted_tokens_computed: int | None = None  # ...and the prompt tokens it expected the path to compute
     bytes_d_to_p: int = 0
     bytes_p_to_d: int = 0
     error: str | None = None
@@ -192,10 +195,13 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.decode_ttft_ms = timing.get("decode_ttft_ms")
         decode_timing = (kvturn.get("decode") or {}).get("timing") or {}
         record.decode_compute_ms = decode_timing.get("prefill_compute_ms")
+        record.decode_tokens_computed = (kvturn.get("decode") or {}).get("prompt_tokens_computed")
         path = kvturn.get("path") or {}
         record.path = path.get("chosen")
         record.first_token_from = kvturn.get("first_token_from")
         record.predicted_ttft_ms = (path.get("predicted_ttft_ms") or {}).get(record.path)
+        record.predicted_queue_ms = path.get("predicted_queue_ms")
+        record.predicted_tokens_computed = path.get("predicted_tokens_computed")
         record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
         record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0
     return "".join(answer)

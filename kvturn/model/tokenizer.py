@@ -58,6 +58,11 @@ class ChatTokenizer:
                 self._segment_chars -= len(evicted)
         return ids
 
+    def count(self, text: str) -> int:
+        """How many tokens `text` makes on its own (special tokens written in it counted as text, and nothing
+        cached): what a router needs to price a turn, not the ids a worker computes."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 

@@ -69,7 +69,11 @@ class Router:
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
-        self.vllm = VLLMBackend(config, self.metrics.registry)
+        self.tokenizer = None  # the model's, when --tokenizer names it: counts what a turn adds (Turn.view)
+        if config.tokenizer_dir:
+            from kvturn.model.tokenizer import ChatTokenizer
+            self.tokenizer = ChatTokenizer(config.tokenizer_dir)
+        self.vllm = VLLMBackend(config, self.metrics.registry, self.tokenizer)
         self.costs = CostModel()
         if is_redis_url(config.state_path):
             self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,

@@ -25,6 +25,11 @@ OUTLIER = 4.0  # a compute sample counts at most this many times above or below 
 # template tokens. A rate outside this is not a history that grew (an id reused for another, compacted history).
 TOKENS_PER_BYTE = (0.02, 1.5)
 MIN_ADDED_BYTES = 32  # fewer added bytes say more about the template than about the text
+# Tokens a turn adds beyond the text of its new messages (counted with --tokenizer): their template, the answer's
+# end and the generation prompt, and the answer tokenized otherwise when resent. An overhead outside the bound is
+# not a history that grew by those messages.
+ADDED_OVERHEAD_PRIOR = 8.0
+ADDED_OVERHEAD_BOUND = 1024
 PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
 # A worker's start-up steps each count as CALIBRATION_WEIGHT requests (timed alone, the best of two), from at most
 # CALIBRATION_WORKERS workers of a role and MAX_CALIBRATION_STEPS steps each: 2 x 5 x 4 = 40 with kvturn's five,
@@ -194,6 +199,9 @@ class CostModel:
         # Tokens a byte of the messages added since the conversation's last turn makes: what the new turn computes
         # is a small difference of large counts, so it is estimated from the added bytes alone (see prompt_tokens).
         self.added_tokens_per_byte = Mean(0.3)
+        # With the model's tokenizer the router counts the new messages' text itself; what it cannot count (their
+        # template, the answer tokenized otherwise) is this, per turn.
+        self.added_overhead_tokens = Typical(ADDED_OVERHEAD_PRIOR)
         # Tokens at the end of the lease that the next prompt does not share (its last blocks: the answer's last
         # tokens, written into the prompt, tokenize otherwise): those are computed again, whatever the path.
         self.unshared_tail_tokens = Typical(0.0)
@@ -237,6 +245,16 @@ class CostModel:
             per_byte = added.value if added.values else self.tokens_per_char.value
             return known_tokens + round((prompt_bytes - known_bytes) * per_byte)
         return round(prompt_bytes * self.tokens_per_char.value)
+
+    def added_tokens(self, counted: int) -> int:
+        """The tokens a turn adds to its history, from the tokens of its new messages' text (`counted`)."""
+        return max(counted + round(self.added_overhead_tokens.value), 0)
+
+    def observe_added(self, added_tokens: int, counted: int) -> None:
+        """Learn from a turn whose new messages' text made `counted` tokens that it added `added_tokens` in all
+        (the decode worker's count of the prompt beyond the lease's tokens)."""
+        if abs(added_tokens - counted) <= ADDED_OVERHEAD_BOUND:
+            self.added_overhead_tokens.add(added_tokens - counted)
 
     def observe_prompt(self, prompt_bytes: int, prompt_tokens: int, known_bytes: int = 0,
                        known_tokens: int = 0) -> None:

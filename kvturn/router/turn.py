@@ -20,6 +20,7 @@ from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
+MAX_COUNTED_CHARS = 16_384  # longer added text is estimated from its bytes: counting it would hold the event loop
 
 
 def answer_object(content: bytes | str) -> dict | None:
@@ -42,6 +43,7 @@ class Turn(Streaming):
         self.prefill_url = ""
         self.prefill_round_trip_s = 0.0
         self.choice: paths.PathChoice | None = None
+        self.counted_tokens: int | None = None  # of the text of the messages added since the lease (added_text_tokens)
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.first_token_from = "decode"  # or "prefill": P's token, sent ahead of D's stream (first_token.py)
@@ -102,7 +104,26 @@ class Turn(Streaming):
         if isinstance(prompt, list):
             return len(prompt)
         known_bytes, known_tokens = self.known_history()
+        if known_tokens:
+            self.counted_tokens = self.added_text_tokens()
+            if self.counted_tokens is not None:
+                return known_tokens + self.router.costs.added_tokens(self.counted_tokens)
         return self.router.costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
+
+    def added_text_tokens(self) -> int | None:
+        """Tokens of the text of the messages sent after the answer the lease holds, counted with the model's
+        tokenizer; None without one (--tokenizer), or when the messages do not plainly extend that turn's (the
+        answer where it was, text contents, at most MAX_COUNTED_CHARS of them)."""
+        tokenizer, messages, order = self.router.tokenizer, self.body.get("messages"), self.entry.order
+        if tokenizer is None or not isinstance(messages, list) or not 0 < order < len(messages) - 1:
+            return None
+        answer = messages[order]
+        if not isinstance(answer, dict) or answer.get("role") != "assistant":
+            return None
+        texts = [m.get("content") if isinstance(m, dict) else None for m in messages[order + 1:]]
+        if not all(isinstance(text, str) for text in texts) or sum(map(len, texts)) > MAX_COUNTED_CHARS:
+            return None
+        return sum(map(tokenizer.count, texts))
 
     def known_history(self) -> tuple[int, int]:
         """(bytes, tokens) of the history whose KV the conversation's lease holds; (0, 0) if none is known."""
@@ -131,6 +152,8 @@ class Turn(Streaming):
         prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
                                                                    "prompt_tokens_remote"))
         costs.observe_prompt(self.prompt_size, prompt_tokens, *self.known_history())
+        if self.counted_tokens is not None and prompt_tokens:
+            costs.observe_added(prompt_tokens - self.known_history()[1], self.counted_tokens)
         costs.observe_reuse(self.known_history()[1], (decode or {}).get("prompt_tokens_cached") or 0)
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:

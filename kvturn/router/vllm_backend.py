@@ -61,15 +61,13 @@ class VLLMMetrics:
 
 
 class VLLMBackend:
-    def __init__(self, config: RouterConfig, registry: CollectorRegistry):
+    def __init__(self, config: RouterConfig, registry: CollectorRegistry, tokenizer=None):
+        """`tokenizer`: the model's ChatTokenizer (--tokenizer), or None to ask prefill's /tokenize."""
         self.config = config
         self.metrics = VLLMMetrics(registry)
         self.block_sizes: dict[str, int] = {}
         self.pending: dict[str, asyncio.Task] = {}  # conversation key -> its retention call still running
-        self._tokenizer = None
-        if config.tokenizer_dir:
-            from kvturn.model.tokenizer import ChatTokenizer
-            self._tokenizer = ChatTokenizer(config.tokenizer_dir)
+        self._tokenizer = tokenizer
 
     @staticmethod
     def serves(workers) -> bool:
