@@ -67,6 +67,7 @@ def test_bidirectional_turns_read_history_from_decode(stacks, reference):
         assert kv["prompt_tokens_computed_prefill"] + kv["prompt_tokens_from_decode"] == current["usage"]["prompt_tokens"]
         assert kv["bytes_d_to_p"] == kv["prompt_tokens_from_decode"] // 16 * BLOCK_BYTES
         assert kv["timing"]["d_to_p_read_ms"] > 0
+        assert 0 <= kv["prefill_timing"]["kv_read_step_ms"] <= kv["timing"]["d_to_p_read_ms"]
         assert kv["decode"]["prompt_tokens_computed"] == 0  # D read every prompt block and took P's first token
         computed_total += kv["prompt_tokens_computed_prefill"]
     read_bytes = sum(r["kvturn"]["bytes_d_to_p"] for r in results)

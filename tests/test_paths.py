@@ -72,6 +72,19 @@ def test_the_decode_workers_slow_reads_of_new_blocks_do_not_price_the_history_pu
     assert model.read_ms(128, "p_to_d") == pytest.approx(60.0)
 
 
+def test_a_read_on_a_busy_prefill_worker_is_priced_without_the_steps_it_waited_for():
+    # Eight pulls came while P computed first turns: each read was seen done only after a 480 ms step.
+    model = CostModel()
+    waited = {"prompt_tokens_computed": 300, "prompt_tokens_remote": 4096, "kv_read_bytes": 16 * 2**20,
+              "timing": {"prefill_compute_ms": 100.0, "kv_read_ms": 488.0, "kv_read_step_ms": 480.0}}
+    for _ in range(8):
+        model.observe_prefill("prefill", waited)
+    assert model.read_ms(4096) == pytest.approx(8.0)
+    stalled = {**waited, "timing": {"kv_read_ms": 480.0, "kv_read_step_ms": 480.0}}  # nothing of its own: not learned
+    model.observe_prefill("prefill", stalled)
+    assert len(model.read_ms_per_mib.values) == 8
+
+
 def test_one_compute_fit_covers_a_prompt_from_scratch_and_new_tokens_on_a_long_history():
     fit = ComputeFit(paths.PRIOR)
     # Reading the cached context costs more per pair of tokens than the new tokens' attention among themselves.

@@ -70,6 +70,7 @@ class LLMEngine:
         self.detokenize = detokenize
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
+        self.step_seconds = 0.0  # forward passes so far: what a read that spans some waited for (connector)
         self.sequences: dict[str, Sequence] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -143,6 +144,7 @@ class LLMEngine:
                 seq.timing.first_scheduled = started
         sampled = self.runner.run(batch)
         elapsed = time.perf_counter() - started
+        self.step_seconds += elapsed
         prompt_tokens = sum(num_new for seq, num_new in batch if seq.num_output_tokens == 0)
         for seq, num_new in batch:
             if seq.num_output_tokens == 0:

@@ -25,6 +25,7 @@ class Timing:
     side_channel_s: float = 0.0  # handshake and lease lookup at the peer, before the engine sees the request
     submitted: float | None = None
     kv_read_s: float = 0.0
+    kv_read_step_s: float = 0.0  # of kv_read_s, the engine's steps that ran meanwhile (a read is seen done between them)
     prefill_compute_s: float = 0.0
     prefill_shared_tokens: int = 0  # other prompts' tokens computed in the steps of its prefill (they share the time)
     kv_read_bytes: int = 0

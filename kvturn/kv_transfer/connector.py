@@ -61,6 +61,7 @@ class PendingLoad:
     remote_ids: list[int]
     started: float
     decision: policy.ReuseDecision
+    steps_before: float = 0.0  # the engine's step_seconds when the read began
     reading_epochs: bool = False
 
 
@@ -131,7 +132,8 @@ class KVConnector:
             log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
             return False
         seq.status = Status.LOADING_KV
-        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, started, decision))
+        self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, started, decision,
+                                      self.engine.step_seconds))
         return True
 
     # ---- each step: progress of reads, leases past their time
@@ -192,6 +194,7 @@ class KVConnector:
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
         seq.timing.kv_read_s += elapsed
+        seq.timing.kv_read_step_s += min(self.engine.step_seconds - load.steps_before, elapsed)
         seq.timing.kv_read_bytes += nbytes
         seq.reuse_outcome = policy.REUSED
         self.stats.kv_reads += 1

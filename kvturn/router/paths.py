@@ -306,6 +306,11 @@ class CostModel:
         if not shared_steps(report):
             self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
         read_bytes, read_ms = report.get("kv_read_bytes") or 0, timing.get("kv_read_ms") or 0.0
+        if role == "prefill":
+            # A read is seen done only between engine steps: the steps P ran meanwhile (other prompts' work, which
+            # the queue model counts) are not the read's cost. D's reads keep theirs: its step under way is part of
+            # what a handoff costs the turn.
+            read_ms -= min(max(timing.get("kv_read_step_ms") or 0.0, 0.0), read_ms)
         if read_bytes >= 2**18 and read_ms > 0:
             (self.read_ms_per_mib if role == "prefill" else self.handoff_read_ms_per_mib).add(
                 read_ms / (read_bytes / 2**20))

@@ -271,6 +271,7 @@ class Worker:
             "timing": {
                 "ttft_ms": ttft * 1e3,
                 "kv_read_ms": t.kv_read_s * 1e3,
+                "kv_read_step_ms": t.kv_read_step_s * 1e3,  # of it, engine steps that ran before it was seen done
                 "prefill_compute_ms": t.prefill_compute_s * 1e3,
                 "prefill_shared_tokens": t.prefill_shared_tokens,
                 "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
