@@ -317,19 +317,23 @@ def test_a_workers_hostile_calibration_reply_neither_stops_the_router_nor_teache
     assert costs.compute_ms("prefill", 3000, 0) == CostModel().compute_ms("prefill", 3000, 0)
 
 
-def test_with_the_models_tokenizer_the_router_counts_what_a_turn_adds(on_decode_stack):
-    # Two turns of words teach the router the bytes of this text; then a turn adds digits, which make about
-    # twice the tokens a byte: estimated from their bytes they would seem half as many as they are.
+def test_with_the_models_tokenizer_the_router_counts_a_prompts_tokens(on_decode_stack):
+    # Digits make about twice the tokens a byte that words do: estimated from bytes at the rate of words, a turn
+    # of digits would seem to hold half the tokens it does. The first turn's whole prompt is counted, and later
+    # the messages a turn adds to the history the lease holds.
     words = "the agent read the file and found nothing unusual in its contents " * 6
     digits = " ".join(str(i % 10) for i in range(600))
     messages = [{"role": "system", "content": SYSTEM}]
-    for turn, text in enumerate((words, words, digits)):
+    results = []
+    for turn, text in enumerate((digits, words, words, digits)):
         messages.append({"role": "user", "content": f"Tool result {turn}: {text}"})
-        result = send(on_decode_stack.url, messages, "counted", stream=False)
-        messages.append({"role": "assistant", "content": result["text"]})
-    path, computed = result["kvturn"]["path"], result["kvturn"]["decode"]["prompt_tokens_computed"]
-    assert path["chosen"] == paths.COMPUTE_ON_DECODE and computed > 500
-    assert abs(path["predicted_tokens_computed"] - computed) <= 0.1 * computed
+        results.append(send(on_decode_stack.url, messages, "counted", stream=False))
+        messages.append({"role": "assistant", "content": results[-1]["text"]})
+    first, last = results[0]["kvturn"], results[-1]["kvturn"]
+    assert first["path"]["chosen"] == paths.RECOMPUTE and last["path"]["chosen"] == paths.COMPUTE_ON_DECODE
+    for kvturn, computed in ((first, first["prompt_tokens_computed_prefill"]),
+                             (last, last["decode"]["prompt_tokens_computed"])):
+        assert computed > 500 and abs(kvturn["path"]["predicted_tokens_computed"] - computed) <= 0.1 * computed
 
 
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
@@ -340,3 +344,12 @@ def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
     assert model.added_tokens(100) == 112
     model.observe_added(300 + paths.ADDED_OVERHEAD_BOUND + 1, 300)  # out of bounds: not learned
     assert model.added_tokens(100) == 112
+
+
+def test_a_whole_prompts_template_tokens_are_learned_per_message():
+    model = CostModel()
+    assert model.templated_tokens(4000, 2) == 4000 + 2 * paths.TEMPLATE_TOKENS_PRIOR
+    for _ in range(paths.MIN_SAMPLES):
+        model.observe_template(4014, 4000, 2)
+    model.observe_template(9000, 4000, 2)  # not a template: another prompt than the one counted
+    assert model.templated_tokens(3000, 4) == 3028

@@ -30,6 +30,10 @@ MIN_ADDED_BYTES = 32  # fewer added bytes say more about the template than about
 # not a history that grew by those messages.
 ADDED_OVERHEAD_PRIOR = 8.0
 ADDED_OVERHEAD_BOUND = 1024
+# A whole prompt counted so: its chat template's tokens per message (role markers, separators; a system prompt the
+# template adds by itself spread over the messages). More than the bound a message is not a template.
+TEMPLATE_TOKENS_PRIOR = 5.0
+TEMPLATE_TOKENS_BOUND = 256
 PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
 # A worker's start-up steps each count as CALIBRATION_WEIGHT requests (timed alone, the best of two), from at most
 # CALIBRATION_WORKERS workers of a role and MAX_CALIBRATION_STEPS steps each: 2 x 5 x 4 = 40 with kvturn's five,
@@ -202,6 +206,7 @@ class CostModel:
         # With the model's tokenizer the router counts the new messages' text itself; what it cannot count (their
         # template, the answer tokenized otherwise) is this, per turn.
         self.added_overhead_tokens = Typical(ADDED_OVERHEAD_PRIOR)
+        self.template_tokens_per_message = Typical(TEMPLATE_TOKENS_PRIOR)  # ...and a whole prompt's, per message
         # Tokens at the end of the lease that the next prompt does not share (its last blocks: the answer's last
         # tokens, written into the prompt, tokenize otherwise): those are computed again, whatever the path.
         self.unshared_tail_tokens = Typical(0.0)
@@ -255,6 +260,16 @@ class CostModel:
         (the decode worker's count of the prompt beyond the lease's tokens)."""
         if abs(added_tokens - counted) <= ADDED_OVERHEAD_BOUND:
             self.added_overhead_tokens.add(added_tokens - counted)
+
+    def templated_tokens(self, counted: int, messages: int) -> int:
+        """A whole prompt's tokens, from the tokens of its messages' text (`counted`) and how many there are."""
+        return counted + round(messages * self.template_tokens_per_message.value)
+
+    def observe_template(self, prompt_tokens: int, counted: int, messages: int) -> None:
+        """Learn from a whole prompt of `messages` messages whose text made `counted` tokens that it made
+        `prompt_tokens` (the decode worker's count) once templated."""
+        if messages and 0 <= prompt_tokens - counted <= TEMPLATE_TOKENS_BOUND * messages:
+            self.template_tokens_per_message.add((prompt_tokens - counted) / messages)
 
     def observe_prompt(self, prompt_bytes: int, prompt_tokens: int, known_bytes: int = 0,
                        known_tokens: int = 0) -> None:

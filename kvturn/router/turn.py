@@ -20,7 +20,7 @@ from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
-MAX_COUNTED_CHARS = 16_384  # longer added text is estimated from its bytes: counting it would hold the event loop
+MAX_COUNTED_CHARS = 32_768  # longer text is estimated from its bytes: counting it (~6 ms) would hold the event loop
 
 
 def answer_object(content: bytes | str) -> dict | None:
@@ -43,7 +43,9 @@ class Turn(Streaming):
         self.prefill_url = ""
         self.prefill_round_trip_s = 0.0
         self.choice: paths.PathChoice | None = None
-        self.counted_tokens: int | None = None  # of the text of the messages added since the lease (added_text_tokens)
+        # Tokens of the text of the messages the estimate counted (text_tokens): those sent after the answer the
+        # lease holds, or all of them when there is no lease.
+        self.counted_tokens: int | None = None
         self.started = time.perf_counter()
         self.first_token_at: float | None = None
         self.first_token_from = "decode"  # or "prefill": P's token, sent ahead of D's stream (first_token.py)
@@ -100,27 +102,42 @@ class Turn(Streaming):
                               decode_backlog, may_send_ahead(self.body, self.chat), step_ms)
 
     def estimated_prompt_tokens(self) -> int:
-        prompt = self.body.get("prompt")
+        """The prompt's tokens: counted with the model's tokenizer where the router has it (--tokenizer) and the
+        text is short enough, the rest estimated from the bytes (paths.CostModel.prompt_tokens)."""
+        prompt, messages, costs = self.body.get("prompt"), self.body.get("messages"), self.router.costs
         if isinstance(prompt, list):
             return len(prompt)
+        if isinstance(prompt, str) and self.router.tokenizer is not None and len(prompt) <= MAX_COUNTED_CHARS:
+            return self.router.tokenizer.count(prompt)  # a completion's prompt has no template
         known_bytes, known_tokens = self.known_history()
         if known_tokens:
-            self.counted_tokens = self.added_text_tokens()
+            self.counted_tokens = self.text_tokens(self.added_messages())
             if self.counted_tokens is not None:
-                return known_tokens + self.router.costs.added_tokens(self.counted_tokens)
-        return self.router.costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
+                return known_tokens + costs.added_tokens(self.counted_tokens)
+        elif isinstance(messages, list):
+            self.counted_tokens = self.text_tokens(messages)
+            if self.counted_tokens is not None:
+                return costs.templated_tokens(self.counted_tokens, len(messages))
+        return costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
 
-    def added_text_tokens(self) -> int | None:
-        """Tokens of the text of the messages sent after the answer the lease holds, counted with the model's
-        tokenizer; None without one (--tokenizer), or when the messages do not plainly extend that turn's (the
-        answer where it was, text contents, at most MAX_COUNTED_CHARS of them)."""
-        tokenizer, messages, order = self.router.tokenizer, self.body.get("messages"), self.entry.order
-        if tokenizer is None or not isinstance(messages, list) or not 0 < order < len(messages) - 1:
+    def added_messages(self) -> list | None:
+        """The messages sent after the answer the lease holds; None when they do not plainly extend that turn's
+        (the answer where it was)."""
+        messages, order = self.body.get("messages"), self.entry.order
+        if not isinstance(messages, list) or not 0 < order < len(messages) - 1:
             return None
         answer = messages[order]
         if not isinstance(answer, dict) or answer.get("role") != "assistant":
             return None
-        texts = [m.get("content") if isinstance(m, dict) else None for m in messages[order + 1:]]
+        return messages[order + 1:]
+
+    def text_tokens(self, messages: list | None) -> int | None:
+        """Tokens of the text of `messages`, counted with the model's tokenizer; None without one, or unless
+        every content is text and all of it at most MAX_COUNTED_CHARS."""
+        tokenizer = self.router.tokenizer
+        if tokenizer is None or messages is None:
+            return None
+        texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
         if not all(isinstance(text, str) for text in texts) or sum(map(len, texts)) > MAX_COUNTED_CHARS:
             return None
         return sum(map(tokenizer.count, texts))
@@ -153,7 +170,11 @@ class Turn(Streaming):
                                                                    "prompt_tokens_remote"))
         costs.observe_prompt(self.prompt_size, prompt_tokens, *self.known_history())
         if self.counted_tokens is not None and prompt_tokens:
-            costs.observe_added(prompt_tokens - self.known_history()[1], self.counted_tokens)
+            known_tokens = self.known_history()[1]
+            if known_tokens:
+                costs.observe_added(prompt_tokens - known_tokens, self.counted_tokens)
+            else:
+                costs.observe_template(prompt_tokens, self.counted_tokens, len(self.body["messages"]))
         costs.observe_reuse(self.known_history()[1], (decode or {}).get("prompt_tokens_cached") or 0)
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:
