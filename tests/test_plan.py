@@ -106,6 +106,40 @@ def test_calibration_fits_the_checked_in_bench_run_and_round_trips(cost_model, t
     assert again == cost_model
 
 
+def test_the_workers_start_up_steps_calibrate_beside_the_requests(cost_model):
+    # A bench run keeps each leg's workers' /kv/calibration. Here they say D computes prompts alone twice as fast
+    # as its requests (computed beside its decodes) made it seem: D's fit becomes theirs, and a step of D's then
+    # pays its decodes' step on top. P's steps join P's requests.
+    results = json.loads(FIXTURE.read_text())
+    shapes = [(512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096)]
+    decode_steps = [{"new_tokens": n, "context_tokens": c, "ms": cost_model.prefill_ms(n, c, "decode") / 2}
+                    for n, c in shapes]
+    prefill_steps = [{"new_tokens": n, "context_tokens": c, "ms": cost_model.prefill_ms(n, c) * 3} for n, c in shapes]
+    for run in results["legs"].values():
+        run["worker_calibration"] = {"prefill": prefill_steps, "decode": decode_steps + [{"ms": "bogus"}]}
+    refitted = calibration.Calibration(**fit.fitted(results))
+    assert refitted.decode_fit_alone and not cost_model.decode_fit_alone
+    for n, c in shapes:
+        assert refitted.prefill_ms(n, c, "decode") == pytest.approx(cost_model.prefill_ms(n, c, "decode") / 2, rel=0.05)
+    assert refitted.prefill_ms(256, 4096) > 1.2 * cost_model.prefill_ms(256, 4096)
+    workload = agent_sessions(6, 4)
+    on_decode = [simulate(workload, LEGS["compute-on-D"], Deployment(), replace(refitted, decode_fit_alone=alone))
+                 for alone in (False, True)]
+    assert on_decode[1].later_ttft_p50_ms > on_decode[0].later_ttft_p50_ms
+
+
+def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_one_is_refused(cost_model, tmp_path):
+    saved = json.loads(cost_model.save(tmp_path / "calibration.json").read_text())
+    saved["compute_fits"] = {kind: [a, b, (c + q) / 2] for kind, (a, b, c, q) in saved["compute_fits"].items()}
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    old = calibration.load(tmp_path / "old.json")
+    assert all(fit_[2] == fit_[3] for fit_ in old.compute_fits.values())
+    saved["compute_fits"]["prefill"] = [1.0, "fast"]
+    (tmp_path / "bad.json").write_text(json.dumps(saved))
+    with pytest.raises(fit.CalibrationError, match="compute_fits"):
+        calibration.load(tmp_path / "bad.json")
+
+
 def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():
     def row(conversation: str, start_ms: float, tokens: int, compute_ms: float) -> Row:
         return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, tokens, 8, 6.0,
@@ -113,9 +147,9 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
     rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0)]
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
     assert sorted((chunks, ms) for chunks, ms, _ in samples) == [(((500, 0),), 90.0), (((1000, 0), (2000, 0)), 300.0)]
-    terms = a, b, k = (10.0, 0.1, 0.05)
-    together = fit.predict_compute(terms, ((1000, 0), (2000, 0)))
-    assert together == pytest.approx(a + b * 3000 + k * (1000 * 500 + 2000 * 1000) / 1e3)
+    terms = a, b, c, q = (10.0, 0.1, 0.08, 0.05)
+    together = fit.predict_compute(terms, ((1000, 100), (2000, 0)))
+    assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
 
 
 def test_a_zero_ttl_never_reuses_and_a_recompute_leg_retains_nothing(cost_model):

@@ -82,10 +82,13 @@ class RunResult:
     sessions: list[SessionRecord] = field(default_factory=list)
     retained_kv: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, bytes)
     runtime_s: float = 0.0
+    # role -> the prefill steps its worker timed at start-up (its /kv/calibration), when the bench launched it
+    worker_calibration: dict[str, list] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
-                "retained_kv": self.retained_kv, "runtime_s": self.runtime_s}
+                "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
+                "worker_calibration": self.worker_calibration}
 
 
 class RateLimiter:

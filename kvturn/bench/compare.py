@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 from kvturn.bench import client, workload
@@ -105,6 +106,21 @@ def warm_up(url: str, source: workload.TextSource) -> None:
     asyncio.run(client.run(url, workload.synthetic(spec, source, 999_999, "warmup"), sessions=1, show_progress=False))
 
 
+def worker_calibration(stack: LocalStack) -> dict[str, list]:
+    """Each worker's start-up prefill steps (GET /kv/calibration), by role: `kvturn plan` fits them beside the
+    requests, as prompts timed alone."""
+    steps = {}
+    for name, url in stack.urls.items():
+        if name != "router":
+            try:
+                reply = httpx.get(f"{url}/kv/calibration", timeout=10).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if isinstance(reply, dict) and isinstance(reply.get("prefill_steps"), list):
+                steps.setdefault(reply.get("role") or name, reply["prefill_steps"])
+    return steps
+
+
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
              log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
              pin_workers: bool = False) -> dict:
@@ -121,6 +137,7 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
             warm_up(stack.url, source)
             results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
                                                    seed=seed))
+            results[name].worker_calibration = worker_calibration(stack)
         failed = sum(1 for r in results[name].requests if r.error)
         console.print(f"  {len(results[name].requests)} requests, {failed} failed, {results[name].runtime_s:.1f} s")
     return results

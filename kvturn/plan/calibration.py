@@ -16,9 +16,10 @@ KIND = "kvturn-calibration"
 
 @dataclass(slots=True)
 class Calibration:
-    # ms to compute n prompt tokens after `context` = a + b n + k n (context + n/2) / 1e3, per kind of worker:
-    # "prefill" (P, its core shared with D), "decode" (D, beside its running decodes), "colocated"
-    compute_fits: dict[str, tuple[float, float, float]]
+    # ms to compute n prompt tokens after `context` = a + b n + c n context / 1e3 + q n^2 / 2e3 (the router's
+    # ComputeFit), per kind of worker: "prefill" (P, its core shared with D), "decode" (D, beside its running
+    # decodes), "colocated"
+    compute_fits: dict[str, tuple[float, float, float, float]]
     decode_step_fit: tuple[float, float, float]  # ms of one decode step = a + b batch + k context tokens / 1e3
     # workers sharing cores (one host): "prefill_slowdown", the share by which a prompt's compute grows while the
     # other role is busy, and "decode_step_ms", what a decode step gains while a prefill runs
@@ -26,11 +27,14 @@ class Calibration:
     read_ms_per_mib: dict[str, float]  # "d_to_p", "p_to_d"
     kv_bytes_per_token: float
     other_ms: dict[str, float]  # per leg: time to first token outside compute and transfer, with no queue
+    # The decode fit is of prompts computed alone (D's start-up steps), not beside D's running decodes: a step of
+    # D's then costs the prompt's compute plus the decodes' step, as on the other kinds of worker.
+    decode_fit_alone: bool = False
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
-    def fit_for(self, worker: str) -> tuple[float, float, float]:
-        """(a, b, k) of `worker`'s compute; a kind the calibration run did not measure has P's."""
+    def fit_for(self, worker: str) -> tuple[float, float, float, float]:
+        """(a, b, c, q) of `worker`'s compute; a kind the calibration run did not measure has P's."""
         return self.compute_fits.get(worker) or self.compute_fits["prefill"]
 
     def prefill_ms(self, new_tokens: int, context: int, worker: str = "prefill") -> float:
@@ -39,8 +43,8 @@ class Calibration:
     def step_prefill_ms(self, chunks: list[tuple[int, int]], worker: str = "prefill") -> float:
         """One engine step computing each (new tokens, context) chunk: the fixed cost once for the step, the
         per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
-        a, b, k = self.fit_for(worker)
-        return a + sum(b * n + k * n * (context + n / 2) / 1e3 for n, context in chunks) if chunks else 0.0
+        a, b, c, q = self.fit_for(worker)
+        return a + sum(b * n + c * n * context / 1e3 + q * n * n / 2e3 for n, context in chunks) if chunks else 0.0
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -68,7 +72,13 @@ def load(path: Path) -> Calibration:
             calibration = Calibration(**fields)
         except TypeError as exc:
             raise CalibrationError(f"{path}: malformed calibration ({exc})") from None
-        calibration.compute_fits = {kind: tuple(c) for kind, c in calibration.compute_fits.items()}
+        fits = calibration.compute_fits
+        if not isinstance(fits, dict) or "prefill" not in fits or not all(
+                isinstance(c, list) and len(c) in (3, 4) and all(type(v) in (int, float) for v in c)
+                for c in fits.values()):
+            raise CalibrationError(f"{path}: compute_fits must map prefill (and other kinds) to 4 numbers")
+        # (a, b, k), as saved before c and q were fitted apart, is c = q = k
+        calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1]) for kind, c in fits.items()}
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         return calibration
     try:

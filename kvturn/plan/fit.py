@@ -6,7 +6,7 @@ import numpy as np
 from kvturn.bench.compare import LEGS
 from kvturn.config import EngineConfig, default_of
 from kvturn.plan.rows import Row, busy_share, decode_interval, prefill_interval, rows_of
-from kvturn.router.paths import ComputeFit, nonnegative_lstsq
+from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq
 
 BLOCK_SIZE = default_of(EngineConfig, "block_size")
 MIN_FIT_SAMPLES = 4
@@ -25,20 +25,20 @@ Chunks = tuple[tuple[int, int], ...]  # (new tokens, context) of each prompt com
 def features(chunks: Chunks) -> np.ndarray:
     """The router's compute terms (`ComputeFit`'s) for prompts computed together: the fixed cost once, for the
     steps they shared, the per-token and attention terms for each."""
-    total = np.zeros(3)
+    total = np.zeros(4)
     for new, context in chunks:
-        total += ComputeFit.plan_terms(new, context)
+        total += ComputeFit.terms(new, context)
     total[0] = 1.0
     return total
 
 
-def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, float]:
+def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, float, float]:
     """The router's compute model (`ComputeFit`'s terms), fitted to relative error: most turns of an agent compute
     a few hundred tokens, and an absolute fit would let the few long first prompts decide their cost. A coefficient
     that comes out negative is dropped and the rest refitted (no negative cost per token)."""
     x = np.array([features(chunks) for chunks, _ in samples])
     y = np.array([ms for _, ms in samples])
-    coefficients = nonnegative_lstsq(x / y[:, None], np.ones(len(y)), [0, 1, 2])
+    coefficients = nonnegative_lstsq(x / y[:, None], np.ones(len(y)), [0, 1, 2, 3])
     return tuple(float(c) for c in coefficients)
 
 
@@ -76,6 +76,21 @@ def compute_samples(by_leg: dict[str, list[Row]]) -> dict[str, list[tuple[Chunks
     for (kind, _, ms), prompts in grouped.items():
         chunks = tuple((new, context) for new, context, _ in prompts)
         samples[kind].append((chunks, ms, max(busy for _, _, busy in prompts)))
+    return samples
+
+
+def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float]]]:
+    """The prefill steps each leg's workers timed at start-up (the bench keeps their /kv/calibration), per kind of
+    worker, as samples computed alone: prompts from scratch and on a long context, which the requests of one short
+    run span too few of."""
+    kinds = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+    samples: dict[str, list] = {kind: [] for kind in kinds.values()}
+    for run in (results.get("legs") or {}).values():
+        steps = run.get("worker_calibration") if isinstance(run, dict) else None
+        for role, role_steps in (steps if isinstance(steps, dict) else {}).items():
+            if role in kinds and isinstance(role_steps, list):
+                for n, context, ms in filter(None, map(calibration_step, role_steps)):
+                    samples[kinds[role]].append((((n, context),), ms, 0.0))
     return samples
 
 
@@ -145,6 +160,14 @@ def fitted(results: dict, source: str = "") -> dict:
     for row in rows:
         by_leg.setdefault(row.leg, []).append(row)
     samples = compute_samples(by_leg)
+    start_up = start_up_samples(results)
+    # D's requests computed their prompts beside its running decodes; its start-up steps, alone, are fitted
+    # instead when there are enough, and the simulation adds the decodes' step (decode_fit_alone).
+    decode_fit_alone = len(start_up["decode"]) >= MIN_FIT_SAMPLES
+    if decode_fit_alone:
+        samples["decode"] = []
+    for kind, timed in start_up.items():
+        samples[kind] += timed
     if len(samples["prefill"]) < MIN_FIT_SAMPLES:
         raise CalibrationError(f"too few requests with a measured prefill on a prefill worker to fit the compute "
                                f"time (need {MIN_FIT_SAMPLES}): run at least one P/D leg")
@@ -162,7 +185,7 @@ def fitted(results: dict, source: str = "") -> dict:
     for leg, leg_rows in by_leg.items():
         quiet = [r.other_ms for r in leg_rows if _alone(r, leg_rows)] or [r.other_ms for r in leg_rows]
         other[leg] = float(np.median(quiet))
-    return {"compute_fits": fits, "decode_step_fit": step_fit,
+    return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,

@@ -131,8 +131,9 @@ class StepLoop:
             self.busy = False
             return
         budget = self.max_num_batched_tokens - batch
-        # The decode fit is D's measured compute of a prompt, which holds the decodes sharing its steps already.
-        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and self.kind != "decode" else 0.0
+        # A decode fit of D's measured compute of prompts holds the decodes sharing their steps already.
+        alone = self.kind != "decode" or self.sim.calibration.decode_fit_alone
+        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and alone else 0.0
         slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
         prompt_tokens = 0
         for job in self.prefilling:

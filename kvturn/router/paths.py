@@ -104,12 +104,8 @@ class ComputeFit:
         self._moment = np.zeros(4)
 
     @staticmethod
-    def plan_terms(new_tokens: int, context: int) -> np.ndarray:
-        """The three terms of a + b*n + k*n*(context + n/2), the form kvturn/plan fits."""
-        return np.array([1.0, float(new_tokens), new_tokens * (context + new_tokens / 2) / 1e3])
-
-    @staticmethod
-    def _terms(new_tokens: int, context: int) -> np.ndarray:
+    def terms(new_tokens: int, context: int) -> np.ndarray:
+        """The four terms the coefficients (a, b, c, q) multiply; kvturn/plan fits the same."""
         return np.array([1.0, float(new_tokens), new_tokens * context / 1e3, new_tokens * new_tokens / 2e3])
 
     def add(self, new_tokens: int, context: int, ms: float, calibration: bool = False) -> None:
@@ -118,7 +114,7 @@ class ComputeFit:
             if self.measured >= MIN_SAMPLES:  # one stalled sample (a swap, a stop) may move the fit only so far
                 expected = self.predict(new_tokens, context)
                 ms = min(max(ms, expected / OUTLIER), expected * OUTLIER)
-            x = self._terms(new_tokens, context) / self.SCALE
+            x = self.terms(new_tokens, context) / self.SCALE
             weight = CALIBRATION_WEIGHT if calibration else 1.0
             self._gram = FORGET * self._gram + weight * np.outer(x, x)
             self._moment = FORGET * self._moment + weight * ms * x
@@ -131,7 +127,7 @@ class ComputeFit:
         fit is pulled towards: least relative squares, no term negative."""
         if len({(n, context) for n, context, _ in samples}) < len(self.prior):
             return False
-        x, ms = np.array([self._terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
+        x, ms = np.array([self.terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
         try:
             solution = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(len(self.prior))))  # relative
         except np.linalg.LinAlgError:
@@ -151,7 +147,7 @@ class ComputeFit:
             solution = np.linalg.solve(self._gram + self.RIDGE * np.eye(4), self._moment + self.RIDGE * prior)
             self.coefficients = np.maximum(solution, 0.0) / self.SCALE  # no negative cost per token
             self._stale = False
-        return float(self.coefficients @ self._terms(new_tokens, context))
+        return float(self.coefficients @ self.terms(new_tokens, context))
 
 
 @dataclass(slots=True)
