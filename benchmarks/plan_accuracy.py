@@ -5,12 +5,16 @@ workload (the demo sweep, agent-loop, concurrent) a measured run of every leg an
 calibrated from the calibration run only; prints predicted against measured TTFT p50 and peak retained KV per leg
 and writes OUT/accuracy.md and OUT/accuracy.json.
 
+By default every process shares the machine's cores and the plan models that (`--one-host`). With --pin-workers
+every bench run pins P and D to cores of their own, as on machines of their own, and the plan models separate hosts.
+
 Each leg is measured by its own `kvturn bench --compare --legs LEG` (OUT/measured-WORKLOAD/LEG/results.json), so the
 runs can be made a few at a time, each short, and a run already there is kept with --reuse-measured:
 
     python benchmarks/plan_accuracy.py                   # everything, ~25 min on 2 cores
     python benchmarks/plan_accuracy.py --measure-only --workloads sweep --legs colocated,pd/P-cache-on
     python benchmarks/plan_accuracy.py --reuse-measured  # plan again against the runs already in OUT
+    python benchmarks/plan_accuracy.py --pin-workers --out results/plan-accuracy-pinned
 """
 import argparse
 import json
@@ -35,22 +39,23 @@ def leg_dir(out: Path, workload: str, leg: str) -> Path:
     return out / f"measured-{workload}" / leg.replace("/", "_")
 
 
-def measure(out: Path, workloads: list[str], legs: list[str], reuse: bool) -> None:
+def measure(out: Path, workloads: list[str], legs: list[str], reuse: bool, pin: bool) -> None:
     calibration = out / "calibration"
+    pinned = ["--pin-workers"] if pin else []
     if not (reuse and (calibration / "results.json").exists()):
         kvturn("bench", "--compare", "--workload", "benchmarks/plan_calibration.json", "--sessions", "2", "--seed", "1",
-               "--legs", ",".join(LEGS), "--out", str(calibration))
+               "--legs", ",".join(LEGS), "--out", str(calibration), *pinned)
     for workload in workloads:
         for leg in legs:
             where = leg_dir(out, workload, leg)
             if not (reuse and (where / "results.json").exists()):
-                kvturn("bench", "--compare", "--scenario", workload, "--legs", leg, "--out", str(where))
+                kvturn("bench", "--compare", "--scenario", workload, "--legs", leg, "--out", str(where), *pinned)
 
 
-def predict(out: Path, workloads: list[str]) -> None:
+def predict(out: Path, workloads: list[str], pin: bool) -> None:
     for workload in workloads:
         kvturn("plan", "--scenario", workload, "--calibration", str(out / "calibration" / "results.json"),
-               "--legs", ",".join(LEGS), "--one-host", "--ttls", "", "--budgets", "",
+               "--legs", ",".join(LEGS), *([] if pin else ["--one-host"]), "--ttls", "", "--budgets", "",
                "--out", str(out / f"plan-{workload}"))
 
 
@@ -114,12 +119,14 @@ def main() -> None:
     parser.add_argument("--legs", default=",".join(LEGS), help="legs to measure in this run")
     parser.add_argument("--reuse-measured", action="store_true", help="keep bench runs already in --out")
     parser.add_argument("--measure-only", action="store_true", help="measure, then stop before planning")
+    parser.add_argument("--pin-workers", action="store_true",
+                        help="P and D on cores of their own in every bench run; the plan models separate hosts")
     args = parser.parse_args()
     workloads = names(args.workloads, WORKLOADS)
-    measure(args.out, workloads, names(args.legs, LEGS), args.reuse_measured or args.measure_only)
+    measure(args.out, workloads, names(args.legs, LEGS), args.reuse_measured or args.measure_only, args.pin_workers)
     if args.measure_only:
         return
-    predict(args.out, workloads)
+    predict(args.out, workloads, args.pin_workers)
     rows = compare(args.out, workloads)
     text = table(rows)
     (args.out / "accuracy.md").write_text(text + "\n")
