@@ -155,8 +155,9 @@ class RouterConfig:
                                        "requests counts against 1 ms of this turn's time to first token")
     backend: str = setting("auto", "what the workers are: kvturn, vllm (vLLM with NixlConnector, bidirectional), or "
                                    "auto (asked per worker)")
-    tokenizer_dir: str | None = setting(None, "model directory whose tokenizer counts the tokens of the messages a "
-                                              "turn adds, to price its paths (default: estimated from their bytes); "
+    tokenizer_dir: str | None = setting(None, "model directory whose tokenizer counts a prompt's tokens (a first "
+                                              "turn's, or the messages a turn adds) to price its paths (default: "
+                                              "estimated from their bytes); "
                                               "vLLM backend: with its chat template it gives the prompt's token ids "
                                               "here (default: ask prefill's /tokenize)")
     kv_recompute_threshold_tokens: int = setting(64, "vLLM backend: hand prefill a decode worker's KV only if at "

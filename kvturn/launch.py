@@ -170,7 +170,7 @@ class LocalStack:
             args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
             for i in range(self.num_decode):
                 args += ["--decode", self.urls[f"decode{i}"]]
-            if "--tokenizer" not in self.router_args:
+            if not any(arg.split("=")[0] == "--tokenizer" for arg in self.router_args):
                 args += ["--tokenizer", str(self.model_dir)]  # the router counts what each turn adds
             self.args["router"] = [*args, *self.router_args]
             self.processes["router"] = start(self.args["router"], self._log("router"), self.env)

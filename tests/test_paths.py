@@ -4,8 +4,13 @@ import pytest
 
 from chat import SYSTEM, conversation, send
 from kvturn.launch import LocalStack
-from kvturn.router import paths
+from kvturn.router import keys, paths
 from kvturn.router.paths import ComputeFit, CostModel, TurnView, choose
+
+
+SYSTEM_MSG = {"role": "system", "content": "You are an agent."}
+USER = {"role": "user", "content": "Tool result: ok. Next step?"}
+ANSWER = {"role": "assistant", "content": "Run the tests."}
 
 
 def view(prompt=6000, retained=5800, running=0, available=True, prefill_in_flight=0):
@@ -72,17 +77,25 @@ def test_the_decode_workers_slow_reads_of_new_blocks_do_not_price_the_history_pu
     assert model.read_ms(128, "p_to_d") == pytest.approx(60.0)
 
 
-def test_a_read_on_a_busy_prefill_worker_is_priced_without_the_steps_it_waited_for():
-    # Eight pulls came while P computed first turns: each read was seen done only after a 480 ms step.
+def test_a_read_that_the_prefill_workers_steps_overlapped_teaches_no_read_speed():
+    # Eight pulls came while P computed first turns: each read was seen done only after a 480 ms step of theirs.
     model = CostModel()
     waited = {"prompt_tokens_computed": 300, "prompt_tokens_remote": 4096, "kv_read_bytes": 16 * 2**20,
               "timing": {"prefill_compute_ms": 100.0, "kv_read_ms": 488.0, "kv_read_step_ms": 480.0}}
     for _ in range(8):
         model.observe_prefill("prefill", waited)
-    assert model.read_ms(4096) == pytest.approx(8.0)
-    stalled = {**waited, "timing": {"kv_read_ms": 480.0, "kv_read_step_ms": 480.0}}  # nothing of its own: not learned
-    model.observe_prefill("prefill", stalled)
-    assert len(model.read_ms_per_mib.values) == 8
+    assert not model.read_ms_per_mib.values
+    clean = {**waited, "timing": {"prefill_compute_ms": 100.0, "kv_read_ms": 3.2, "kv_read_step_ms": 0.0}}
+    for _ in range(paths.MIN_SAMPLES):
+        model.observe_prefill("prefill", clean)
+    assert model.read_ms(4096) == pytest.approx(3.2)
+
+
+def test_of_a_prefill_workers_read_only_its_own_part_counts_in_the_turn_and_a_decode_workers_keeps_its_wait():
+    timing = {"kv_read_ms": 488.0, "kv_read_step_ms": 480.0}
+    assert paths.own_read_ms("prefill", timing) == pytest.approx(8.0)
+    assert paths.own_read_ms("decode", timing) == pytest.approx(488.0)
+    assert paths.own_read_ms("prefill", {"kv_read_ms": 5.0, "kv_read_step_ms": 9.0}) == 0.0
 
 
 def test_one_compute_fit_covers_a_prompt_from_scratch_and_new_tokens_on_a_long_history():
@@ -334,6 +347,19 @@ def test_with_the_models_tokenizer_the_router_counts_a_prompts_tokens(on_decode_
     for kvturn, computed in ((first, first["prompt_tokens_computed_prefill"]),
                              (last, last["decode"]["prompt_tokens_computed"])):
         assert computed > 500 and abs(kvturn["path"]["predicted_tokens_computed"] - computed) <= 0.1 * computed
+
+
+@pytest.mark.parametrize("messages, order, added", [
+    ([SYSTEM_MSG, USER, ANSWER, USER], 2, [USER]),  # the answer where the lease's turn left it, one message after
+    ([SYSTEM_MSG, USER, ANSWER, USER, ANSWER, USER], 2, [USER, ANSWER, USER]),  # turns the router did not see
+    ([SYSTEM_MSG, USER, ANSWER], 2, None),  # nothing added
+    ([SYSTEM_MSG, USER, USER, USER], 2, None),  # the history was edited: no answer where it was
+    ([SYSTEM_MSG, USER, "not a message", USER], 2, None),
+    ([SYSTEM_MSG, USER, ANSWER, USER], 0, None),  # a completion's turn: no messages to extend
+    ("not a list", 2, None),
+])
+def test_the_messages_a_turn_added_are_those_after_the_answer_of_the_turn_the_lease_holds(messages, order, added):
+    assert keys.added_since(messages, order) == added
 
 
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():

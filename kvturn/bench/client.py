@@ -37,6 +37,7 @@ class RequestRecord:
     queue_ms: float | None = None
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
+    d_to_p_read_step_ms: float | None = None  # of it, P's engine steps for other prompts before it was seen done
     p_to_d_read_ms: float | None = None
     prefill_request_ms: float | None = None  # the router's round trip to P
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
@@ -193,6 +194,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.queue_ms = timing.get("queue_ms")
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
+        record.d_to_p_read_step_ms = timing.get("d_to_p_read_step_ms")
         record.p_to_d_read_ms = timing.get("p_to_d_read_ms")
         record.prefill_request_ms = timing.get("prefill_request_ms")
         record.decode_ttft_ms = timing.get("decode_ttft_ms")

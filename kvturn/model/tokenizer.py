@@ -59,8 +59,8 @@ class ChatTokenizer:
         return ids
 
     def count(self, text: str) -> int:
-        """How many tokens `text` makes on its own (special tokens written in it counted as text, and nothing
-        cached): what a router needs to price a turn, not the ids a worker computes."""
+        """How many tokens `text` makes on its own, nothing cached: what a router needs to price a turn (a special
+        token written in the text counts as the one token it is, as the worker's encode makes it)."""
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int]) -> str:

@@ -76,7 +76,8 @@ def load(path: Path) -> Calibration:
         if not isinstance(fits, dict) or "prefill" not in fits or not all(
                 isinstance(c, list) and len(c) in (3, 4) and all(type(v) in (int, float) for v in c)
                 for c in fits.values()):
-            raise CalibrationError(f"{path}: compute_fits must map prefill (and other kinds) to 4 numbers")
+            raise CalibrationError(f"{path}: compute_fits must map prefill (and other kinds) to 4 numbers "
+                                   "(a, b, c, q; or 3, a, b, k, as saved before)")
         # (a, b, k), as saved before c and q were fitted apart, is c = q = k
         calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1]) for kind, c in fits.items()}
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)

@@ -178,7 +178,9 @@ def fitted(results: dict, source: str = "") -> dict:
     if not per_token:
         raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional "
                                "transfer (e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
-    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in rows if r.bytes_d_to_p])
+    # As the router learns it: from reads no step of P's overlapped (the others waited for other prompts' work).
+    reads = [r for r in rows if r.bytes_d_to_p]
+    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in [r for r in reads if not r.d_to_p_step_ms] or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     step_fit, step_contention = fit_decode_step(by_leg)
     other = {}

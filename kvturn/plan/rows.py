@@ -23,6 +23,7 @@ class Row:
     bytes_p_to_d: int
     tokens_from_decode: int
     first_token_ahead: bool = False  # the router sent P's token ahead: D's read and compute are not in the TTFT
+    d_to_p_step_ms: float = 0.0  # of d_to_p_ms, P's engine steps for other prompts before the read was seen done
 
     @property
     def d_part_of_ttft_ms(self) -> float:
@@ -46,7 +47,7 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
                r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
                r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
-               r.get("first_token_from") == "prefill")
+               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0)
 
 
 def rows_of(results: dict) -> list[Row]:

@@ -69,7 +69,7 @@ class Router:
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
-        self.tokenizer = None  # the model's, when --tokenizer names it: counts what a turn adds (Turn.view)
+        self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (Turn.view)
         if config.tokenizer_dir:
             from kvturn.model.tokenizer import ChatTokenizer
             self.tokenizer = ChatTokenizer(config.tokenizer_dir)

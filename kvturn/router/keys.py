@@ -68,6 +68,17 @@ def _message_bytes(message) -> bytes:
     return json.dumps(pair, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
 
 
+def added_since(messages, order: int) -> list | None:
+    """The messages sent after the answer of the turn that had `order` messages; None unless `messages` plainly
+    extends that turn (its answer where it was, and something after it)."""
+    if not isinstance(messages, list) or not 0 < order < len(messages) - 1:
+        return None
+    answer = messages[order]
+    if not isinstance(answer, dict) or answer.get("role") != "assistant":
+        return None
+    return messages[order + 1:]
+
+
 def message_size(message: dict) -> int:
     """A message's share of `History.size`."""
     return len(_message_bytes(message))

@@ -70,6 +70,16 @@ def calibration_step(step) -> tuple[int, int, float] | None:
     return None
 
 
+def own_read_ms(role: str, timing: dict) -> float:
+    """A worker's KV read time, less on P the engine steps that ran before the read was seen done
+    (`kv_read_step_ms`: other prompts' work, which the queue model counts). D's keeps them: its step under way is
+    part of what a handoff costs the turn."""
+    read_ms = timing.get("kv_read_ms") or 0.0
+    if role == "prefill":
+        read_ms -= min(max(timing.get("kv_read_step_ms") or 0.0, 0.0), read_ms)
+    return read_ms
+
+
 def shared_steps(report: dict) -> bool:
     """Whether a worker's prefill shared its engine steps with other prompts (a batch): its time then tells
     more about the others than about itself, so neither the compute fit nor the correction learns from it."""
@@ -316,13 +326,11 @@ class CostModel:
         timing = report.get("timing") or {}
         if not shared_steps(report):
             self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
-        read_bytes, read_ms = report.get("kv_read_bytes") or 0, timing.get("kv_read_ms") or 0.0
-        if role == "prefill":
-            # A read is seen done only between engine steps: the steps P ran meanwhile (other prompts' work, which
-            # the queue model counts) are not the read's cost. D's reads keep theirs: its step under way is part of
-            # what a handoff costs the turn.
-            read_ms -= min(max(timing.get("kv_read_step_ms") or 0.0, 0.0), read_ms)
-        if read_bytes >= 2**18 and read_ms > 0:
+        read_bytes, read_ms = report.get("kv_read_bytes") or 0, own_read_ms(role, timing)
+        # A read that P's steps overlapped teaches no speed: over shared memory what is left of it is its own cost,
+        # but over a NIC the transfer runs beside the steps, and what is left would say it cost nothing.
+        overlapped = role == "prefill" and (timing.get("kv_read_step_ms") or 0.0) > 0
+        if read_bytes >= 2**18 and read_ms > 0 and not overlapped:
             (self.read_ms_per_mib if role == "prefill" else self.handoff_read_ms_per_mib).add(
                 read_ms / (read_bytes / 2**20))
         remote = report.get("prompt_tokens_remote") or 0

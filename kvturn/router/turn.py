@@ -12,6 +12,7 @@ from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import may_send_ahead
 from kvturn.router import fast_json, paths
+from kvturn.router import keys
 from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.upstream import Reply, Stream, Unreachable
@@ -20,7 +21,10 @@ from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
-MAX_COUNTED_CHARS = 32_768  # longer text is estimated from its bytes: counting it (~6 ms) would hold the event loop
+# Longer text, or more messages, is estimated from its bytes: counting it (~6 ms for 32 KiB of English, one call
+# a message) would hold the event loop.
+MAX_COUNTED_BYTES = 32_768
+MAX_COUNTED_MESSAGES = 64
 
 
 def answer_object(content: bytes | str) -> dict | None:
@@ -107,38 +111,30 @@ class Turn(Streaming):
         prompt, messages, costs = self.body.get("prompt"), self.body.get("messages"), self.router.costs
         if isinstance(prompt, list):
             return len(prompt)
-        if isinstance(prompt, str) and self.router.tokenizer is not None and len(prompt) <= MAX_COUNTED_CHARS:
-            return self.router.tokenizer.count(prompt)  # a completion's prompt has no template
+        if isinstance(prompt, str) and self.router.tokenizer is not None and len(prompt) <= MAX_COUNTED_BYTES:
+            if len(prompt.encode("utf-8", "surrogatepass")) <= MAX_COUNTED_BYTES:
+                return self.router.tokenizer.count(prompt)  # a completion's prompt has no template
         known_bytes, known_tokens = self.known_history()
         if known_tokens:
-            self.counted_tokens = self.text_tokens(self.added_messages())
+            added = keys.added_since(messages, self.entry.order)
+            self.counted_tokens = self.text_tokens(added, self.prompt_size - known_bytes)
             if self.counted_tokens is not None:
                 return known_tokens + costs.added_tokens(self.counted_tokens)
         elif isinstance(messages, list):
-            self.counted_tokens = self.text_tokens(messages)
+            self.counted_tokens = self.text_tokens(messages, self.prompt_size)
             if self.counted_tokens is not None:
                 return costs.templated_tokens(self.counted_tokens, len(messages))
         return costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
 
-    def added_messages(self) -> list | None:
-        """The messages sent after the answer the lease holds; None when they do not plainly extend that turn's
-        (the answer where it was)."""
-        messages, order = self.body.get("messages"), self.entry.order
-        if not isinstance(messages, list) or not 0 < order < len(messages) - 1:
-            return None
-        answer = messages[order]
-        if not isinstance(answer, dict) or answer.get("role") != "assistant":
-            return None
-        return messages[order + 1:]
-
-    def text_tokens(self, messages: list | None) -> int | None:
-        """Tokens of the text of `messages`, counted with the model's tokenizer; None without one, or unless
-        every content is text and all of it at most MAX_COUNTED_CHARS."""
+    def text_tokens(self, messages: list | None, size: int) -> int | None:
+        """Tokens of the text of `messages` (`size` bytes, as keys.message_size counts them), counted with the
+        model's tokenizer; None without one, or unless every content is text and there are at most
+        MAX_COUNTED_MESSAGES messages of at most MAX_COUNTED_BYTES."""
         tokenizer = self.router.tokenizer
-        if tokenizer is None or messages is None:
+        if tokenizer is None or messages is None or len(messages) > MAX_COUNTED_MESSAGES or size > MAX_COUNTED_BYTES:
             return None
         texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
-        if not all(isinstance(text, str) for text in texts) or sum(map(len, texts)) > MAX_COUNTED_CHARS:
+        if not all(isinstance(text, str) for text in texts):
             return None
         return sum(map(tokenizer.count, texts))
 
@@ -160,22 +156,23 @@ class Turn(Streaming):
             actual = (self.first_token_at - self.started) * 1e3
         else:
             actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
-        timed = (p_timing,) if self.first_token_from == "prefill" else (p_timing, d_timing)  # what the TTFT holds
-        explained = sum((t.get("prefill_compute_ms") or 0.0) + (t.get("kv_read_ms") or 0.0) for t in timed)
+        timed = {"prefill": p_timing} if self.first_token_from == "prefill" else {"prefill": p_timing,
+                                                                                 "decode": d_timing}  # in the TTFT
+        explained = sum((t.get("prefill_compute_ms") or 0.0) + paths.own_read_ms(role, t) for role, t in timed.items())
         shared = any(paths.shared_steps(report) for report in (prefill, decode or {}))
         costs.observe_turn(choice, actual, explained, shared)
         if self.prefill_round_trip_s:
             costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
         prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
                                                                    "prompt_tokens_remote"))
-        costs.observe_prompt(self.prompt_size, prompt_tokens, *self.known_history())
+        known_bytes, known_tokens = self.known_history()
+        costs.observe_prompt(self.prompt_size, prompt_tokens, known_bytes, known_tokens)
         if self.counted_tokens is not None and prompt_tokens:
-            known_tokens = self.known_history()[1]
             if known_tokens:
                 costs.observe_added(prompt_tokens - known_tokens, self.counted_tokens)
             else:
                 costs.observe_template(prompt_tokens, self.counted_tokens, len(self.body["messages"]))
-        costs.observe_reuse(self.known_history()[1], (decode or {}).get("prompt_tokens_cached") or 0)
+        costs.observe_reuse(known_tokens, (decode or {}).get("prompt_tokens_cached") or 0)
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:
             self.router.metrics.prediction_error.labels(choice.path).observe(abs(predicted - actual) / actual)
@@ -333,6 +330,7 @@ class Turn(Streaming):
                 "prefill_request_ms": self.prefill_round_trip_s * 1e3,
                 "queue_ms": p_timing.get("queue_ms"),
                 "d_to_p_read_ms": p_timing.get("kv_read_ms"),
+                "d_to_p_read_step_ms": p_timing.get("kv_read_step_ms"),  # of it, P's steps for other prompts
                 "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),

@@ -6,6 +6,7 @@ import functools
 import logging
 import re
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from yarl import URL
@@ -13,6 +14,9 @@ from yarl import URL
 from kvturn.config import RouterConfig
 from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
+
+if TYPE_CHECKING:
+    from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.router.vllm_reuse import OUTCOMES
 from kvturn.router.work_clock import WorkClock
 
@@ -61,7 +65,7 @@ class VLLMMetrics:
 
 
 class VLLMBackend:
-    def __init__(self, config: RouterConfig, registry: CollectorRegistry, tokenizer=None):
+    def __init__(self, config: RouterConfig, registry: CollectorRegistry, tokenizer: "ChatTokenizer | None" = None):
         """`tokenizer`: the model's ChatTokenizer (--tokenizer), or None to ask prefill's /tokenize."""
         self.config = config
         self.metrics = VLLMMetrics(registry)
