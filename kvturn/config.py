@@ -151,7 +151,7 @@ class RouterConfig:
                                        "compute_on_decode (D computes the new tokens on its retained KV), "
                                        "recompute (P computes all), or adaptive (the cheapest by the costs "
                                        "the workers measured)")
-    stall_weight: float = setting(0.5, "adaptive: how much 1 ms of waiting imposed on a decode worker's running "
+    stall_weight: float = setting(1.0, "adaptive: how much 1 ms of waiting imposed on a decode worker's running "
                                        "requests counts against 1 ms of this turn's time to first token")
     backend: str = setting("auto", "what the workers are: kvturn, vllm (vLLM with NixlConnector, bidirectional), or "
                                    "auto (asked per worker)")
