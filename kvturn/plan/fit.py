@@ -6,7 +6,7 @@ import numpy as np
 from kvturn.bench.compare import LEGS
 from kvturn.config import EngineConfig, default_of
 from kvturn.plan.rows import Row, busy_share, decode_interval, prefill_interval, rows_of
-from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq
+from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq, relative_nonnegative_fit
 
 BLOCK_SIZE = default_of(EngineConfig, "block_size")
 MIN_FIT_SAMPLES = 4
@@ -38,7 +38,7 @@ def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, floa
     that comes out negative is dropped and the rest refitted (no negative cost per token)."""
     x = np.array([features(chunks) for chunks, _ in samples])
     y = np.array([ms for _, ms in samples])
-    coefficients = nonnegative_lstsq(x / y[:, None], np.ones(len(y)), [0, 1, 2, 3])
+    coefficients = relative_nonnegative_fit(x, y)
     return tuple(float(c) for c in coefficients)
 
 
@@ -180,7 +180,8 @@ def fitted(results: dict, source: str = "") -> dict:
                                "transfer (e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
     # As the router learns it: from reads no step of P's overlapped (the others waited for other prompts' work).
     reads = [r for r in rows if r.bytes_d_to_p]
-    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in [r for r in reads if not r.d_to_p_step_ms] or reads])
+    clean = [r for r in reads if not r.d_to_p_step_ms]
+    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     step_fit, step_contention = fit_decode_step(by_leg)
     other = {}

@@ -57,6 +57,12 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.nda
     return coefficients
 
 
+def relative_nonnegative_fit(x: np.ndarray, ms: np.ndarray) -> np.ndarray:
+    """Coefficients of every column of x fitted to `ms` by least relative squares (each sample's error as a share of
+    its time, so that a few long prompts do not decide the cost of the many short ones), none negative."""
+    return nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(x.shape[1])))
+
+
 def calibration_step(step) -> tuple[int, int, float] | None:
     """(new tokens, context, ms) of one step of a worker's start-up calibration, or None for anything that is not
     a plausible measurement: whole token counts, a finite time, between 10 ns and 10 s a token."""
@@ -139,7 +145,7 @@ class ComputeFit:
             return False
         x, ms = np.array([self.terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
         try:
-            solution = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(len(self.prior))))  # relative
+            solution = relative_nonnegative_fit(x, ms)
         except np.linalg.LinAlgError:
             return False
         if not np.all(np.isfinite(solution)) or not solution.any():
