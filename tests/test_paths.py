@@ -362,6 +362,20 @@ def test_the_messages_a_turn_added_are_those_after_the_answer_of_the_turn_the_le
     assert keys.added_since(messages, order) == added
 
 
+@pytest.mark.parametrize("messages, size, texts", [
+    ([SYSTEM_MSG, USER], 100, ["You are an agent.", "Tool result: ok. Next step?"]),
+    ([USER] * keys.MAX_COUNTED_MESSAGES, 100, [USER["content"]] * keys.MAX_COUNTED_MESSAGES),
+    ([USER] * (keys.MAX_COUNTED_MESSAGES + 1), 100, None),  # a million tiny messages must not hold the event loop
+    ([USER], keys.MAX_COUNTED_BYTES + 1, None),  # nor a long text
+    ([USER, {"role": "user", "content": [{"type": "text", "text": "hi"}]}], 100, None),  # parts: not plain text
+    ([USER, {"role": "tool", "content": None}], 100, None),
+    ([USER, "not a message"], 100, None),
+    (None, 0, None),
+])
+def test_the_router_counts_only_plain_text_of_a_bounded_size(messages, size, texts):
+    assert keys.countable_texts(messages, size) == texts
+
+
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
     model = CostModel()
     assert model.added_tokens(300) == 300 + paths.ADDED_OVERHEAD_PRIOR

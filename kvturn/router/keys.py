@@ -68,6 +68,22 @@ def _message_bytes(message) -> bytes:
     return json.dumps(pair, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
 
 
+# Prompts the router counts with the model's tokenizer (Turn.text_tokens): longer text, or more messages, is
+# estimated from its bytes instead, since counting (~6 ms for 32 KiB of English, one call a message) holds the
+# event loop.
+MAX_COUNTED_BYTES = 32_768
+MAX_COUNTED_MESSAGES = 64
+
+
+def countable_texts(messages: list | None, size: int) -> list[str] | None:
+    """The contents of `messages` (`size` bytes, as message_size counts them) to count tokens of; None unless every
+    content is text and there are at most MAX_COUNTED_MESSAGES messages of at most MAX_COUNTED_BYTES."""
+    if messages is None or len(messages) > MAX_COUNTED_MESSAGES or size > MAX_COUNTED_BYTES:
+        return None
+    texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
+    return texts if all(isinstance(text, str) for text in texts) else None
+
+
 def added_since(messages, order: int) -> list | None:
     """The messages sent after the answer of the turn that had `order` messages; None unless `messages` plainly
     extends that turn (its answer where it was, and something after it)."""

@@ -11,8 +11,7 @@ from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import may_send_ahead
-from kvturn.router import fast_json, paths
-from kvturn.router import keys
+from kvturn.router import fast_json, keys, paths
 from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.upstream import Reply, Stream, Unreachable
@@ -21,10 +20,6 @@ from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
-# Longer text, or more messages, is estimated from its bytes: counting it (~6 ms for 32 KiB of English, one call
-# a message) would hold the event loop.
-MAX_COUNTED_BYTES = 32_768
-MAX_COUNTED_MESSAGES = 64
 
 
 def answer_object(content: bytes | str) -> dict | None:
@@ -111,8 +106,8 @@ class Turn(Streaming):
         prompt, messages, costs = self.body.get("prompt"), self.body.get("messages"), self.router.costs
         if isinstance(prompt, list):
             return len(prompt)
-        if isinstance(prompt, str) and self.router.tokenizer is not None and len(prompt) <= MAX_COUNTED_BYTES:
-            if len(prompt.encode("utf-8", "surrogatepass")) <= MAX_COUNTED_BYTES:
+        if isinstance(prompt, str) and self.router.tokenizer is not None and len(prompt) <= keys.MAX_COUNTED_BYTES:
+            if len(prompt.encode("utf-8", "surrogatepass")) <= keys.MAX_COUNTED_BYTES:
                 return self.router.tokenizer.count(prompt)  # a completion's prompt has no template
         known_bytes, known_tokens = self.known_history()
         if known_tokens:
@@ -127,16 +122,12 @@ class Turn(Streaming):
         return costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
 
     def text_tokens(self, messages: list | None, size: int) -> int | None:
-        """Tokens of the text of `messages` (`size` bytes, as keys.message_size counts them), counted with the
-        model's tokenizer; None without one, or unless every content is text and there are at most
-        MAX_COUNTED_MESSAGES messages of at most MAX_COUNTED_BYTES."""
-        tokenizer = self.router.tokenizer
-        if tokenizer is None or messages is None or len(messages) > MAX_COUNTED_MESSAGES or size > MAX_COUNTED_BYTES:
+        """Tokens of the text of `messages` (`size` bytes), counted with the model's tokenizer; None without one,
+        or when keys.countable_texts finds them not worth counting here."""
+        texts = keys.countable_texts(messages, size)
+        if self.router.tokenizer is None or texts is None:
             return None
-        texts = [m.get("content") if isinstance(m, dict) else None for m in messages]
-        if not all(isinstance(text, str) for text in texts):
-            return None
-        return sum(map(tokenizer.count, texts))
+        return sum(map(self.router.tokenizer.count, texts))
 
     def known_history(self) -> tuple[int, int]:
         """(bytes, tokens) of the history whose KV the conversation's lease holds; (0, 0) if none is known."""
@@ -156,8 +147,9 @@ class Turn(Streaming):
             actual = (self.first_token_at - self.started) * 1e3
         else:
             actual = self.prefill_round_trip_s * 1e3 + (d_timing.get("ttft_ms") or 0.0)
-        timed = {"prefill": p_timing} if self.first_token_from == "prefill" else {"prefill": p_timing,
-                                                                                 "decode": d_timing}  # in the TTFT
+        timed = {"prefill": p_timing}  # what the TTFT holds: D's part too, unless P's first token went ahead
+        if self.first_token_from != "prefill":
+            timed["decode"] = d_timing
         explained = sum((t.get("prefill_compute_ms") or 0.0) + paths.own_read_ms(role, t) for role, t in timed.items())
         shared = any(paths.shared_steps(report) for report in (prefill, decode or {}))
         costs.observe_turn(choice, actual, explained, shared)
