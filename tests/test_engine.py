@@ -71,6 +71,38 @@ def test_prompts_share_a_step_only_up_to_the_pack_limit(tiny_model_dir, prompts,
         assert len(chunks) <= 1 or sum(n for _, n in chunks) <= 100
 
 
+def test_prompts_whose_history_was_read_join_a_step_only_up_to_the_pack_limit():
+    """Reads that end while a step runs hand the engine several prompts at once: they share the next step as prompts
+    from the queue do, up to the pack limit, rather than all computing in one long step."""
+    from kvturn.engine.block_manager import BlockManager
+    from kvturn.engine.scheduler import Scheduler
+    from kvturn.engine.sequence import Status
+    scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+    pulled = [Sequence(f"pulled-{i}", [3 + (i * 7 + t) % 50 for t in range(200)], GREEDY, remote=object())
+              for i in range(3)]
+
+    def admit(seq, hashes):
+        seq.status = Status.LOADING_KV  # its first 160 tokens' KV is read from a peer
+
+    for seq in pulled:
+        scheduler.add(seq)
+    assert scheduler.schedule(admit) == [] and scheduler.loading == pulled
+    for seq in pulled:
+        seq.num_computed_tokens = 160
+        scheduler.finish_loading(seq)
+    step = scheduler.schedule(admit)
+    # 40 new tokens each: the first alone could take the whole budget; the others get what the limit leaves.
+    assert [(seq.request_id, n) for seq, n in step] == [("pulled-0", 40), ("pulled-1", 40), ("pulled-2", 20)]
+    for seq, n in step:  # the step ran: the first two sampled their first token
+        seq.timing.first_scheduled = 1.0
+        seq.num_computed_tokens += n
+        if seq.num_uncomputed_tokens == 0:
+            seq.token_ids.append(5)
+    assert [(seq.request_id, n) for seq, n in scheduler.schedule(admit)] == [
+        ("pulled-0", 1), ("pulled-1", 1), ("pulled-2", 20)]
+
+
 def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
     # 40 blocks of 16 tokens cannot hold all eight sequences at once (they need 49).
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=40, max_num_batched_tokens=256))

@@ -5,8 +5,9 @@ Prompts are packed into one step only while the step is small. A step's time gro
 (on a CPU from a few hundred tokens on; `benchmarks/prefill_packing.py` measures it), so a second long prompt in
 the step of a first only delays the first, and the prompts then end together in groups whose time depends on
 prompts that came later. A step takes on prompt tokens up to `prefill_pack_tokens` only (one prompt alone may
-take the whole budget; one that joins others gets what is left and goes on in the next steps): each prompt ends
-after the ones before it and its own compute, which is what the router predicts."""
+take the whole budget; one that joins others, from the queue or with its history just read from a peer, gets what
+is left and goes on in the next steps): each prompt ends after the ones before it and its own compute, which is
+what the router predicts."""
 from collections import deque
 from typing import Callable
 
@@ -51,6 +52,13 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_uncomputed_tokens, budget)
+            if num_new > 1 and prompt_tokens and seq.timing.first_scheduled is None:
+                # A prompt whose history KV has just come from a peer starts here: like one joining from the queue
+                # it takes on only what the pack limit leaves. Without this, reads that ended during a long step all
+                # computed in the next one, whose length then let the next reads end together: pulls went in groups.
+                num_new = min(num_new, self.prefill_pack_tokens - prompt_tokens)
+                if num_new <= 0:
+                    continue
             if not self._ensure_blocks(seq, seq.num_computed_tokens + num_new):
                 continue
             batch.append((seq, num_new))
