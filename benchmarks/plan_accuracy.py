@@ -1,23 +1,32 @@
 """How close `kvturn plan` comes to what `kvturn bench --compare` measures on this machine.
 
-One short calibration run (benchmarks/plan_calibration.json, 4 sessions two at a time, seed 1), then for each
-workload (the demo sweep, agent-loop, concurrent) a measured run of every leg and a plan of the same workload
-calibrated from the calibration run only; prints predicted against measured TTFT p50 and peak retained KV per leg
-and writes OUT/accuracy.md and OUT/accuracy.json.
+A round is one short calibration run (benchmarks/plan_calibration.json, 4 sessions two at a time, seed 1), then for
+each workload (the demo sweep, agent-loop, concurrent) a measured run of every leg. The plan of each workload is
+calibrated from the calibration runs only (all rounds' pooled); it is compared with the median of the rounds'
+measurements, TTFT p50 and peak retained KV per leg, and the table is printed and written to OUT/accuracy.md and
+OUT/accuracy.json. One round's calibration against that round's measurement is counted too.
 
-By default every process shares the machine's cores and the plan models that (`--one-host`). With --pin-workers
-every bench run pins P and D to cores of their own, as on machines of their own, and the plan models separate hosts.
+Why rounds: on this shared 2-core machine one bench run of a leg differs from the next by up to a quarter, and the
+same prompt computed in two calibration legs minutes apart by up to a third: as much as the tolerance. `--repeats N`
+makes N rounds, each every workload and leg once, so that a slow spell of the machine falls on all legs alike.
 
-Each leg is measured by its own `kvturn bench --compare --legs LEG` (OUT/measured-WORKLOAD/LEG/results.json), so the
-runs can be made a few at a time, each short, and a run already there is kept with --reuse-measured:
+The bench runs every process on this machine. By default they share its cores; with --pin-workers every bench run
+pins P and D to cores of their own, as on machines of their own, but they still share the caches, the memory and the
+router's and client's processes. The plan models one host (`kvturn plan --one-host`) either way: the slowdown of one
+role while the other computes is what the calibration runs measured, pinned or not.
 
-    python benchmarks/plan_accuracy.py                   # everything, ~25 min on 2 cores
+Each leg is measured by its own `kvturn bench --compare --legs LEG` (OUT/measured-WORKLOAD/LEG/run-K/results.json;
+calibrations in OUT/calibration/run-K), so the runs can be made a few at a time, each short, and a run already there
+is kept with --reuse-measured:
+
+    python benchmarks/plan_accuracy.py                   # one round, ~15 min on 2 cores
     python benchmarks/plan_accuracy.py --measure-only --workloads sweep --legs colocated,pd/P-cache-on
     python benchmarks/plan_accuracy.py --reuse-measured  # plan again against the runs already in OUT
-    python benchmarks/plan_accuracy.py --pin-workers --out results/plan-accuracy-pinned
+    python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
 """
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -35,28 +44,34 @@ def kvturn(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "kvturn.cli", *args], check=True)
 
 
-def leg_dir(out: Path, workload: str, leg: str) -> Path:
-    return out / f"measured-{workload}" / leg.replace("/", "_")
+def leg_dir(out: Path, workload: str, leg: str, run: int) -> Path:
+    return out / f"measured-{workload}" / leg.replace("/", "_") / f"run-{run}"
 
 
-def measure(out: Path, workloads: list[str], legs: list[str], reuse: bool, pin: bool) -> None:
-    calibration = out / "calibration"
+def calibration_runs(out: Path) -> list[Path]:
+    return sorted((out / "calibration").glob("run-*/results.json"), key=lambda p: int(p.parent.name[4:]))
+
+
+def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reuse: bool, pin: bool) -> None:
     pinned = ["--pin-workers"] if pin else []
-    if not (reuse and (calibration / "results.json").exists()):
-        kvturn("bench", "--compare", "--workload", "benchmarks/plan_calibration.json", "--sessions", "2", "--seed", "1",
-               "--legs", ",".join(LEGS), "--out", str(calibration), *pinned)
-    for workload in workloads:
-        for leg in legs:
-            where = leg_dir(out, workload, leg)
-            if not (reuse and (where / "results.json").exists()):
-                kvturn("bench", "--compare", "--scenario", workload, "--legs", leg, "--out", str(where), *pinned)
+    for run in range(1, repeats + 1):
+        calibration = out / "calibration" / f"run-{run}"
+        if not (reuse and (calibration / "results.json").exists()):
+            kvturn("bench", "--compare", "--workload", "benchmarks/plan_calibration.json", "--sessions", "2",
+                   "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration), *pinned)
+        for workload in workloads:
+            for leg in legs:
+                where = leg_dir(out, workload, leg, run)
+                if not (reuse and (where / "results.json").exists()):
+                    kvturn("bench", "--compare", "--scenario", workload, "--legs", leg, "--out", str(where), *pinned)
 
 
-def predict(out: Path, workloads: list[str], pin: bool) -> None:
+def predict(out: Path, workloads: list[str], calibrations: list[Path], name: str) -> None:
+    """Plan each workload from `calibrations` pooled, into OUT/NAME-WORKLOAD."""
+    pooled = [arg for path in calibrations for arg in ("--calibration", str(path))]
     for workload in workloads:
-        kvturn("plan", "--scenario", workload, "--calibration", str(out / "calibration" / "results.json"),
-               "--legs", ",".join(LEGS), *([] if pin else ["--one-host"]), "--ttls", "", "--budgets", "",
-               "--out", str(out / f"plan-{workload}"))
+        kvturn("plan", "--scenario", workload, *pooled, "--legs", ",".join(LEGS), "--one-host", "--ttls", "",
+               "--budgets", "", "--out", str(out / f"{name}-{workload}"))
 
 
 def error(predicted: float, measured: float) -> float:
@@ -65,42 +80,57 @@ def error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
-def measured_summaries(out: Path, workload: str) -> dict[str, dict]:
-    summaries = {}
-    for path in sorted((out / f"measured-{workload}").glob("*/results.json")):
-        summaries.update({s["leg"]: s for s in json.loads(path.read_text())["summaries"]})
-    return summaries
+def measured_runs(out: Path, workload: str, run: int | None = None) -> dict[str, list[dict]]:
+    """The bench runs (every round's, or round `run`'s) of each leg of `workload`: their summaries, by leg name."""
+    runs: dict[str, list[dict]] = {}
+    pattern = f"*/run-{run}/results.json" if run else "*/run-*/results.json"
+    for path in sorted((out / f"measured-{workload}").glob(pattern)):
+        for summary in json.loads(path.read_text())["summaries"]:
+            runs.setdefault(summary["leg"], []).append(summary)
+    return runs
 
 
-def compare(out: Path, workloads: list[str]) -> list[dict]:
+def entry(predicted: float, measured: list[float]) -> dict:
+    """The prediction against the median of the runs, and the runs themselves."""
+    median = statistics.median(measured)
+    return {"predicted": predicted, "measured": median, "error": error(predicted, median), "runs": measured}
+
+
+def compare(out: Path, workloads: list[str], name: str = "plan", run: int | None = None) -> list[dict]:
     rows = []
     for workload in workloads:
-        measured = measured_summaries(out, workload)
-        planned = json.loads((out / f"plan-{workload}" / "plan.json").read_text())["legs"]
+        measured = measured_runs(out, workload, run)
+        planned = json.loads((out / f"{name}-{workload}" / "plan.json").read_text())["legs"]
         for leg, prediction in planned.items():
             if leg not in measured:
                 continue
-            ttft, peak = measured[leg]["ttft_ms"]["p50"], measured[leg]["peak_retained_kv_bytes"] / 2**20
-            rows.append({"workload": workload, "leg": leg,
-                         "ttft_p50_ms": {"predicted": prediction["ttft_p50_ms"], "measured": ttft,
-                                         "error": error(prediction["ttft_p50_ms"], ttft)},
-                         "peak_retained_mib": {"predicted": prediction["peak_retained_mib"], "measured": peak,
-                                               "error": error(prediction["peak_retained_mib"], peak)}})
+            ttft = [summary["ttft_ms"]["p50"] for summary in measured[leg]]
+            peak = [summary["peak_retained_kv_bytes"] / 2**20 for summary in measured[leg]]
+            rows.append({"workload": workload, "leg": leg, "runs": len(ttft),
+                         "ttft_p50_ms": entry(prediction["ttft_p50_ms"], ttft),
+                         "peak_retained_mib": entry(prediction["peak_retained_mib"], peak)})
     return rows
+
+
+def within(rows: list[dict], key: str = "ttft_p50_ms") -> int:
+    return sum(abs(r[key]["error"]) <= TOLERANCE for r in rows)
 
 
 def table(rows: list[dict]) -> str:
     def cell(entry: dict, unit: str) -> str:
         mark = "" if abs(entry["error"]) <= TOLERANCE else " **x**"
         return f"{entry['predicted']:.0f} / {entry['measured']:.0f} {unit} ({entry['error']:+.0%}){mark}"
-    lines = ["| workload | leg | TTFT p50 predicted / measured | peak retained predicted / measured |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['workload']} | {r['leg']} | {cell(r['ttft_p50_ms'], 'ms')} | {cell(r['peak_retained_mib'], 'MiB')} |"
-              for r in rows]
-    within = sum(abs(r[k]["error"]) <= TOLERANCE for r in rows for k in ("ttft_p50_ms", "peak_retained_mib"))
-    ttft = sum(abs(r["ttft_p50_ms"]["error"]) <= TOLERANCE for r in rows)
-    lines.append(f"\n{within} of {2 * len(rows)} predictions within {TOLERANCE:.0%}, TTFT p50 on {ttft} of "
-                 f"{len(rows)} legs (**x**: outside).")
+
+    def spread(entry: dict) -> str:
+        low, high = min(entry["runs"]), max(entry["runs"])
+        return f"{low:.0f}-{high:.0f} ms" if len(entry["runs"]) > 1 else "-"
+    lines = ["| workload | leg | TTFT p50 predicted / measured (median of runs) | runs: range | "
+             "peak retained predicted / measured |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['workload']} | {r['leg']} | {cell(r['ttft_p50_ms'], 'ms')} | {r['runs']}: "
+              f"{spread(r['ttft_p50_ms'])} | {cell(r['peak_retained_mib'], 'MiB')} |" for r in rows]
+    lines.append(f"\n{within(rows) + within(rows, 'peak_retained_mib')} of {2 * len(rows)} predictions within "
+                 f"{TOLERANCE:.0%}, TTFT p50 on {within(rows)} of {len(rows)} legs (**x**: outside).")
     return "\n".join(lines)
 
 
@@ -117,20 +147,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/plan-accuracy"))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--legs", default=",".join(LEGS), help="legs to measure in this run")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of calibration and measurement; the plan "
+                                                               "pools the calibrations and meets the median")
     parser.add_argument("--reuse-measured", action="store_true", help="keep bench runs already in --out")
     parser.add_argument("--measure-only", action="store_true", help="measure, then stop before planning")
-    parser.add_argument("--pin-workers", action="store_true",
-                        help="P and D on cores of their own in every bench run; the plan models separate hosts")
+    parser.add_argument("--pin-workers", action="store_true", help="P and D on cores of their own in every bench run")
     args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     workloads = names(args.workloads, WORKLOADS)
-    measure(args.out, workloads, names(args.legs, LEGS), args.reuse_measured or args.measure_only, args.pin_workers)
+    measure(args.out, workloads, names(args.legs, LEGS), args.repeats, args.reuse_measured or args.measure_only,
+            args.pin_workers)
     if args.measure_only:
         return
-    predict(args.out, workloads, args.pin_workers)
+    calibrations = calibration_runs(args.out)
+    predict(args.out, workloads, calibrations, "plan")
     rows = compare(args.out, workloads)
     text = table(rows)
+    rounds = {}
+    if len(calibrations) > 1:  # what one round's calibration says of that round's measurement alone
+        for path in calibrations:
+            run = int(path.parent.name[4:])
+            predict(args.out, workloads, [path], f"plan-round-{run}")
+            rounds[run] = compare(args.out, workloads, f"plan-round-{run}", run)
+        text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
+                 f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in rounds.values()) + " legs.")
     (args.out / "accuracy.md").write_text(text + "\n")
-    (args.out / "accuracy.json").write_text(json.dumps(rows, indent=2))
+    (args.out / "accuracy.json").write_text(json.dumps({"pooled": rows, "rounds": rounds}, indent=2))
     print(text)
 
 

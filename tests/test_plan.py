@@ -140,6 +140,31 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
         calibration.load(tmp_path / "bad.json")
 
 
+def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_pooled(cost_model, tmp_path):
+    # The same run twice, the second twice as slow: the pooled fit lies between. Each run keeps its own clock, so
+    # requests of one are never taken as overlapping those of the other (as contention, or as shared steps).
+    results = json.loads(FIXTURE.read_text())
+    slower = json.loads(FIXTURE.read_text())
+    for run in slower["legs"].values():
+        for request in run["requests"]:
+            for key in ("prefill_compute_ms", "decode_compute_ms", "ttft_ms", "latency_ms", "tpot_ms"):
+                if request.get(key):
+                    request[key] *= 2
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, data in zip(paths, (results, slower)):
+        path.write_text(json.dumps(data))
+    assert replace(calibration.load_many(paths[:1]), source=cost_model.source) == cost_model
+    twice = calibration.load_many([paths[0], paths[0]])
+    assert twice.compute_fits["prefill"] == pytest.approx(cost_model.compute_fits["prefill"], rel=1e-6)
+    assert twice.contention == pytest.approx(cost_model.contention)
+    assert twice.samples["prefill"] == 2 * cost_model.samples["prefill"]
+    pooled = calibration.load_many(paths)
+    for n, context in ((4000, 0), (200, 3800)):
+        assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
+    with pytest.raises(fit.CalibrationError, match="only kvturn bench results"):
+        calibration.load_many([paths[0], cost_model.save(tmp_path / "saved.json")])
+
+
 def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():
     def row(conversation: str, start_ms: float, tokens: int, compute_ms: float) -> Row:
         return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, tokens, 8, 6.0,

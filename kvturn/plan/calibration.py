@@ -58,6 +58,26 @@ class Calibration:
         return Path(path)
 
 
+def load_many(paths: list[Path]) -> Calibration:
+    """One calibration, or one fitted to several bench results JSONs pooled."""
+    if len(paths) == 1:
+        return load(paths[0])
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
+        if not isinstance(data, dict) or data.get("kind") == KIND:
+            raise CalibrationError(f"{path}: only kvturn bench results JSONs can be pooled (a saved calibration "
+                                   "is already fitted: give it alone)")
+        runs.append(data)
+    try:
+        return Calibration(**fitted(runs, source=", ".join(Path(p).name for p in paths)))
+    except CalibrationError as exc:
+        raise CalibrationError(f"{', '.join(map(str, paths))}: {exc}") from None
+
+
 def load(path: Path) -> Calibration:
     """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
     try:

@@ -54,22 +54,29 @@ def _new_tokens_on_decode(row: Row, previous: Row | None) -> int | None:
     return row.input_tokens - retained if 0 < retained < row.input_tokens else None
 
 
-def compute_samples(by_leg: dict[str, list[Row]]) -> dict[str, list[tuple[Chunks, float, float]]]:
+Legs = dict[str, list[Row]] | list[tuple[str, list[Row]]]  # each leg's rows; a list when runs are pooled
+
+
+def _legs(by_leg: Legs) -> list[tuple[str, list[Row]]]:
+    return list(by_leg.items()) if isinstance(by_leg, dict) else by_leg
+
+
+def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float]]]:
     """(the prompts computed together, ms, share of the time the other role was busy) per kind of worker. Prompts
     computed in the same steps each report the steps' whole time: those reporting the same time make one sample."""
     grouped: dict[tuple, list] = {}
-    for leg, leg_rows in by_leg.items():
+    for run, (leg, leg_rows) in enumerate(_legs(by_leg)):
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
         decoding = [decode_interval(r) for r in leg_rows]
         previous: dict[str, Row] = {}
         for row in sorted(leg_rows, key=lambda r: (r.conversation_id, r.turn)):
             if row.computed and row.prefill_compute_ms > 0:
                 busy = 0.0 if colocated else busy_share(prefill_interval(row), decoding, decode_interval(row))
-                key = ("colocated" if colocated else "prefill", leg, round(row.prefill_compute_ms, 1))
+                key = ("colocated" if colocated else "prefill", run, round(row.prefill_compute_ms, 1))
                 grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
-                key = ("decode", leg, round(row.decode_compute_ms, 1))
+                key = ("decode", run, round(row.decode_compute_ms, 1))
                 grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
@@ -104,11 +111,11 @@ def fit_with_contention(points: list[tuple[Chunks, float, float]]) -> tuple[tupl
     return base, float(np.clip(np.median(growth), 0.0, MAX_SLOWDOWN)) if growth else 0.0
 
 
-def fit_decode_step(by_leg: dict[str, list[Row]]) -> tuple[tuple[float, float, float], float]:
+def fit_decode_step(by_leg: Legs) -> tuple[tuple[float, float, float], float]:
     """(ms per decode step = a + b batch + k context / 1e3, ms a step gains while a prefill runs beside it), from
     TPOT on the P/D legs (a colocated worker's TPOT holds its own prefills, which the simulation adds itself)."""
     features, tpot = [], []
-    for leg, leg_rows in by_leg.items():
+    for leg, leg_rows in _legs(by_leg):
         if leg in LEGS and LEGS[leg].mode == "colocated":
             continue
         prefilling = [prefill_interval(r) for r in leg_rows]
@@ -151,16 +158,26 @@ def _read_rate(pairs: list[tuple[float, int]]) -> float | None:
     return sum(ms for ms, _ in pairs) / mib if mib > 0 else None
 
 
-def fitted(results: dict, source: str = "") -> dict:
-    """The fields of a Calibration fitted to a bench results JSON."""
-    rows = rows_of(results)
-    if not rows:
-        raise CalibrationError("not a kvturn bench results JSON: no measured requests under 'legs'")
-    by_leg: dict[str, list[Row]] = {}
-    for row in rows:
-        by_leg.setdefault(row.leg, []).append(row)
+def fitted(results: dict | list[dict], source: str = "") -> dict:
+    """The fields of a Calibration fitted to a bench results JSON, or to several pooled (runs of the same
+    hardware at different times: one run's speed drifts with whatever else the machine does). Each run's legs keep
+    their own clock: requests of two runs never overlap, as contention or as shared steps."""
+    runs = results if isinstance(results, list) else [results]
+    rows, by_leg = [], []
+    for run in runs:
+        run_rows = rows_of(run)
+        if not run_rows:
+            raise CalibrationError("not a kvturn bench results JSON: no measured requests under 'legs'")
+        rows += run_rows
+        legs: dict[str, list[Row]] = {}
+        for row in run_rows:
+            legs.setdefault(row.leg, []).append(row)
+        by_leg += legs.items()
     samples = compute_samples(by_leg)
-    start_up = start_up_samples(results)
+    start_up: dict[str, list] = {}
+    for run in runs:
+        for kind, timed in start_up_samples(run).items():
+            start_up.setdefault(kind, []).extend(timed)
     # D's requests computed their prompts beside its running decodes; its start-up steps, alone, are fitted
     # instead when there are enough, and the simulation adds the decodes' step (decode_fit_alone).
     decode_fit_alone = len(start_up["decode"]) >= MIN_FIT_SAMPLES
@@ -184,10 +201,11 @@ def fitted(results: dict, source: str = "") -> dict:
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     step_fit, step_contention = fit_decode_step(by_leg)
-    other = {}
-    for leg, leg_rows in by_leg.items():
+    outside: dict[str, list[float]] = {}
+    for leg, leg_rows in by_leg:
         quiet = [r.other_ms for r in leg_rows if _alone(r, leg_rows)] or [r.other_ms for r in leg_rows]
-        other[leg] = float(np.median(quiet))
+        outside.setdefault(leg, []).extend(quiet)
+    other = {leg: float(np.median(values)) for leg, values in outside.items()}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
