@@ -4,7 +4,7 @@ A round is one short calibration run (benchmarks/plan_calibration.json, 4 sessio
 each workload (the demo sweep, agent-loop, concurrent) a measured run of every leg. The plan of each workload is
 calibrated from the calibration runs only (all rounds' pooled); it is compared with the median of the rounds'
 measurements, TTFT p50 and peak retained KV per leg, and the table is printed and written to OUT/accuracy.md and
-OUT/accuracy.json. One round's calibration against that round's measurement is counted too.
+OUT/accuracy.json. With several rounds, each round's own calibration against that round's runs alone is counted too.
 
 Why rounds: on this shared 2-core machine one bench run of a leg differs from the next by up to a quarter, and the
 same prompt computed in two calibration legs minutes apart by up to a third: as much as the tolerance. `--repeats N`
@@ -48,8 +48,10 @@ def leg_dir(out: Path, workload: str, leg: str, run: int) -> Path:
     return out / f"measured-{workload}" / leg.replace("/", "_") / f"run-{run}"
 
 
-def calibration_runs(out: Path) -> list[Path]:
-    return sorted((out / "calibration").glob("run-*/results.json"), key=lambda p: int(p.parent.name[4:]))
+def calibration_runs(out: Path, repeats: int) -> list[Path]:
+    """The calibration runs of rounds 1..repeats that are there (a round of an earlier, longer run is not counted)."""
+    return [path for run in range(1, repeats + 1)
+            if (path := out / "calibration" / f"run-{run}" / "results.json").exists()]
 
 
 def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reuse: bool, pin: bool) -> None:
@@ -80,13 +82,15 @@ def error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
-def measured_runs(out: Path, workload: str, run: int | None = None) -> dict[str, list[dict]]:
-    """The bench runs (every round's, or round `run`'s) of each leg of `workload`: their summaries, by leg name."""
+def measured_runs(out: Path, workload: str, rounds: list[int]) -> dict[str, list[dict]]:
+    """The bench runs of `rounds` of each leg of `workload`: their summaries, by leg name."""
     runs: dict[str, list[dict]] = {}
-    pattern = f"*/run-{run}/results.json" if run else "*/run-*/results.json"
-    for path in sorted((out / f"measured-{workload}").glob(pattern)):
-        for summary in json.loads(path.read_text())["summaries"]:
-            runs.setdefault(summary["leg"], []).append(summary)
+    for leg in LEGS:
+        for run in rounds:
+            path = leg_dir(out, workload, leg, run) / "results.json"
+            if path.exists():
+                for summary in json.loads(path.read_text())["summaries"]:
+                    runs.setdefault(summary["leg"], []).append(summary)
     return runs
 
 
@@ -96,10 +100,10 @@ def entry(predicted: float, measured: list[float]) -> dict:
     return {"predicted": predicted, "measured": median, "error": error(predicted, median), "runs": measured}
 
 
-def compare(out: Path, workloads: list[str], name: str = "plan", run: int | None = None) -> list[dict]:
+def compare(out: Path, workloads: list[str], name: str, rounds: list[int]) -> list[dict]:
     rows = []
     for workload in workloads:
-        measured = measured_runs(out, workload, run)
+        measured = measured_runs(out, workload, rounds)
         planned = json.loads((out / f"{name}-{workload}" / "plan.json").read_text())["legs"]
         for leg, prediction in planned.items():
             if leg not in measured:
@@ -149,7 +153,8 @@ def main() -> None:
     parser.add_argument("--legs", default=",".join(LEGS), help="legs to measure in this run")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of calibration and measurement; the plan "
                                                                "pools the calibrations and meets the median")
-    parser.add_argument("--reuse-measured", action="store_true", help="keep bench runs already in --out")
+    parser.add_argument("--reuse-measured", action="store_true",
+                        help="keep the runs of rounds 1..--repeats already in --out (and plan against them)")
     parser.add_argument("--measure-only", action="store_true", help="measure, then stop before planning")
     parser.add_argument("--pin-workers", action="store_true", help="P and D on cores of their own in every bench run")
     args = parser.parse_args()
@@ -160,16 +165,20 @@ def main() -> None:
             args.pin_workers)
     if args.measure_only:
         return
-    calibrations = calibration_runs(args.out)
+    calibrations = calibration_runs(args.out, args.repeats)
+    if not calibrations:
+        raise SystemExit(f"no calibration run in {args.out / 'calibration'} (run-1 .. run-{args.repeats})")
+    all_rounds = list(range(1, args.repeats + 1))
     predict(args.out, workloads, calibrations, "plan")
-    rows = compare(args.out, workloads)
+    rows = compare(args.out, workloads, "plan", all_rounds)
     text = table(rows)
     rounds = {}
     if len(calibrations) > 1:  # what one round's calibration says of that round's measurement alone
-        for path in calibrations:
-            run = int(path.parent.name[4:])
-            predict(args.out, workloads, [path], f"plan-round-{run}")
-            rounds[run] = compare(args.out, workloads, f"plan-round-{run}", run)
+        for run in all_rounds:
+            path = args.out / "calibration" / f"run-{run}" / "results.json"
+            if path in calibrations:
+                predict(args.out, workloads, [path], f"plan-round-{run}")
+                rounds[run] = compare(args.out, workloads, f"plan-round-{run}", [run])
         text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
                  f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in rounds.values()) + " legs.")
     (args.out / "accuracy.md").write_text(text + "\n")

@@ -4,7 +4,7 @@ workers, timed end to end (reading the trace, simulating, writing plan.json and 
 The trace is seeded: sessions start uniformly over an hour; first prompts 1k-8k tokens; each turn adds its answer
 (16-128 tokens) and 50-400 new tokens; think time between turns exponential with a 30 s mean.
 
-    python benchmarks/plan_scale.py --calibration results/plan-accuracy/calibration/results.json
+    python benchmarks/plan_scale.py --calibration results/plan-accuracy/calibration/run-1/results.json
 """
 import argparse
 import json

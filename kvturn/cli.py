@@ -347,8 +347,8 @@ def plan(
     out: Optional[Path] = typer.Option(None, help="output directory (default results/plan-WORKLOAD)"),
 ):
     """Predict, from a workload or a trace of real traffic, whether bidirectional KV transfer pays on this
-    deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by one
-    kvturn bench run on your hardware."""
+    deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by a short
+    kvturn bench run on your hardware (or several, pooled)."""
     import sys
 
     from rich.console import Console

@@ -161,8 +161,19 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
     pooled = calibration.load_many(paths)
     for n, context in ((4000, 0), (200, 3800)):
         assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
+    # The time outside compute and transfer comes from requests alone in their run, in any run: one whose requests
+    # all overlapped (queued behind each other) does not outvote them.
+    crowded = json.loads(FIXTURE.read_text())
+    for request in crowded["legs"]["pd/P-cache-on"]["requests"]:
+        request["start_time_ms"] = 0.0
+    (tmp_path / "crowded.json").write_text(json.dumps(crowded))
+    assert calibration.load_many([paths[0], tmp_path / "crowded.json"]).other_ms["pd/P-cache-on"] == \
+        cost_model.other_ms["pd/P-cache-on"]
     with pytest.raises(fit.CalibrationError, match="only kvturn bench results"):
         calibration.load_many([paths[0], cost_model.save(tmp_path / "saved.json")])
+    (tmp_path / "empty.json").write_text(json.dumps({"legs": {}}))
+    with pytest.raises(fit.CalibrationError, match="empty.json: not a kvturn bench results JSON"):
+        calibration.load_many([paths[0], tmp_path / "empty.json"])
 
 
 def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():

@@ -1,8 +1,8 @@
 """The cost model `kvturn plan` simulates with: prefill compute against tokens and context (the router's own
 `ComputeFit` terms), decode step time against batch and context, how much slower each runs while the other role
 is busy on the same cores, NIXL read time per MiB each way, KV bytes per token, and per deployment leg the time to
-first token that is neither compute nor transfer. Fitted (fit.py) to one `kvturn bench` run on the user's own
-machine and saved as a small JSON, so a user calibrates once."""
+first token that is neither compute nor transfer. Fitted (fit.py) to a `kvturn bench` run on the user's own
+machine, or several pooled, and saved as a small JSON, so a user calibrates once."""
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from kvturn.plan.fit import CalibrationError, fitted
+from kvturn.plan.rows import rows_of
 
 KIND = "kvturn-calibration"
 
@@ -60,6 +61,8 @@ class Calibration:
 
 def load_many(paths: list[Path]) -> Calibration:
     """One calibration, or one fitted to several bench results JSONs pooled."""
+    if not paths:
+        raise CalibrationError("no calibration given")
     if len(paths) == 1:
         return load(paths[0])
     runs = []
@@ -68,14 +71,15 @@ def load_many(paths: list[Path]) -> Calibration:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
-        if not isinstance(data, dict) or data.get("kind") == KIND:
+        if not isinstance(data, dict):
+            raise CalibrationError(f"{path}: expected a kvturn bench results JSON")
+        if data.get("kind") == KIND:
             raise CalibrationError(f"{path}: only kvturn bench results JSONs can be pooled (a saved calibration "
                                    "is already fitted: give it alone)")
+        if not rows_of(data):
+            raise CalibrationError(f"{path}: not a kvturn bench results JSON: no measured requests under 'legs'")
         runs.append(data)
-    try:
-        return Calibration(**fitted(runs, source=", ".join(Path(p).name for p in paths)))
-    except CalibrationError as exc:
-        raise CalibrationError(f"{', '.join(map(str, paths))}: {exc}") from None
+    return Calibration(**fitted(runs, source=", ".join(map(str, paths))))
 
 
 def load(path: Path) -> Calibration:

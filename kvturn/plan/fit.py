@@ -1,6 +1,6 @@
-"""Fitting the plan's cost model to one `kvturn bench` results JSON: its per-request rows say how many prompt
-tokens each worker computed and in how long, what was read each way, TTFT and TPOT, and when each request ran,
-from which the batch, and whether the other role was busy on the shared cores, are worked out."""
+"""Fitting the plan's cost model to a `kvturn bench` results JSON (or several, pooled): its per-request rows say
+how many prompt tokens each worker computed and in how long, what was read each way, TTFT and TPOT, and when each
+request ran, from which the batch, and whether the other role was busy on the shared cores, are worked out."""
 import numpy as np
 
 from kvturn.bench.compare import LEGS
@@ -65,18 +65,18 @@ def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float]]
     """(the prompts computed together, ms, share of the time the other role was busy) per kind of worker. Prompts
     computed in the same steps each report the steps' whole time: those reporting the same time make one sample."""
     grouped: dict[tuple, list] = {}
-    for run, (leg, leg_rows) in enumerate(_legs(by_leg)):
+    for group, (leg, leg_rows) in enumerate(_legs(by_leg)):
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
         decoding = [decode_interval(r) for r in leg_rows]
         previous: dict[str, Row] = {}
         for row in sorted(leg_rows, key=lambda r: (r.conversation_id, r.turn)):
             if row.computed and row.prefill_compute_ms > 0:
                 busy = 0.0 if colocated else busy_share(prefill_interval(row), decoding, decode_interval(row))
-                key = ("colocated" if colocated else "prefill", run, round(row.prefill_compute_ms, 1))
+                key = ("colocated" if colocated else "prefill", group, round(row.prefill_compute_ms, 1))
                 grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
-                key = ("decode", run, round(row.decode_compute_ms, 1))
+                key = ("decode", group, round(row.decode_compute_ms, 1))
                 grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
@@ -163,11 +163,14 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     hardware at different times: one run's speed drifts with whatever else the machine does). Each run's legs keep
     their own clock: requests of two runs never overlap, as contention or as shared steps."""
     runs = results if isinstance(results, list) else [results]
+    if not runs:
+        raise CalibrationError("no bench run to calibrate from")
     rows, by_leg = [], []
-    for run in runs:
+    for index, run in enumerate(runs):
         run_rows = rows_of(run)
         if not run_rows:
-            raise CalibrationError("not a kvturn bench results JSON: no measured requests under 'legs'")
+            which = f"run {index + 1} of {len(runs)}: " if len(runs) > 1 else ""
+            raise CalibrationError(f"{which}not a kvturn bench results JSON: no measured requests under 'legs'")
         rows += run_rows
         legs: dict[str, list[Row]] = {}
         for row in run_rows:
@@ -201,11 +204,12 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     step_fit, step_contention = fit_decode_step(by_leg)
-    outside: dict[str, list[float]] = {}
-    for leg, leg_rows in by_leg:
-        quiet = [r.other_ms for r in leg_rows if _alone(r, leg_rows)] or [r.other_ms for r in leg_rows]
-        outside.setdefault(leg, []).extend(quiet)
-    other = {leg: float(np.median(values)) for leg, values in outside.items()}
+    quiet: dict[str, list[float]] = {}
+    every: dict[str, list[float]] = {}
+    for leg, leg_rows in by_leg:  # requests alone in any run; a leg with none in every run takes all its requests
+        quiet.setdefault(leg, []).extend(r.other_ms for r in leg_rows if _alone(r, leg_rows))
+        every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
+    other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
