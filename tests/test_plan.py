@@ -188,6 +188,29 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
     assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
 
 
+def test_a_colocated_worker_has_its_own_decode_step_less_the_prompts_it_computed_meanwhile(cost_model):
+    def row(conversation: str, start_ms: float, tokens: int, output: int, ttft_ms: float, step_ms: float,
+            stalled_ms: float = 0.0) -> Row:
+        latency = ttft_ms + (output - 1) * step_ms + stalled_ms
+        return Row("colocated", conversation, 0, start_ms, ttft_ms, latency, tokens, output,
+                   (latency - ttft_ms) / max(output - 1, 1) if output > 1 else None, tokens, ttft_ms - 10, 0.0, 0.0,
+                   0.0, 0, 0, 0)
+
+    def step(tokens: int, output: int) -> float:  # a colocated step: 5 ms + 2 ms per 1k tokens of context
+        return 5.0 + 2.0 * (tokens + output / 2) / 1e3
+    rows = [row(f"alone-{i}", i * 10_000.0, 1000 * (i + 1), 33, 110.0, step(1000 * (i + 1), 33)) for i in range(5)]
+    # One decode stalled 200 ms while another request's prompt was computed: that is not its step time.
+    rows.append(row("stalled", 60_000.0, 3000, 33, 110.0, step(3000, 33), stalled_ms=200.0))
+    rows.append(row("prompt", 60_200.0, 2500, 1, 210.0, 0.0))  # its prompt computed for 200 ms
+    assert fit.fit_colocated_step({"colocated": rows}) == pytest.approx((5.0, 0.0, 2.0), abs=1e-6)
+    assert fit.fit_colocated_step({"colocated": rows[:3]}) is None  # too few to fit
+    assert fit.fit_colocated_step({"pd/P-cache-on": rows}) is None  # D's steps are fitted apart
+    fitted_ = replace(cost_model, colocated_step_fit=(5.0, 0.0, 2.0))
+    assert fitted_.step_fit("colocated") == (5.0, 0.0, 2.0)
+    assert fitted_.step_fit("decode") == fitted_.step_fit("prefill") == cost_model.decode_step_fit
+    assert replace(cost_model, colocated_step_fit=None).step_fit("colocated") == cost_model.decode_step_fit
+
+
 def test_a_zero_ttl_never_reuses_and_a_recompute_leg_retains_nothing(cost_model):
     workload = agent_sessions(6, 4)
     expired = simulate(workload, LEGS["bidir/P-cache-off"], Deployment(decoder_kv_blocks_ttl_s=0.0), cost_model)

@@ -31,6 +31,8 @@ class Calibration:
     # The decode fit is of prompts computed alone (D's start-up steps), not beside D's running decodes: a step of
     # D's then costs the prompt's compute plus the decodes' step, as on the other kinds of worker.
     decode_fit_alone: bool = False
+    # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
+    colocated_step_fit: tuple[float, float, float] | None = None
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -46,6 +48,12 @@ class Calibration:
         per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
         a, b, c, q = self.fit_for(worker)
         return a + sum(b * n + c * n * context / 1e3 + q * n * n / 2e3 for n, context in chunks) if chunks else 0.0
+
+    def step_fit(self, worker: str) -> tuple[float, float, float]:
+        """(a, b, k) of `worker`'s decode step: ms = a + b batch + k context tokens / 1e3."""
+        if worker == "colocated" and self.colocated_step_fit is not None:
+            return self.colocated_step_fit
+        return self.decode_step_fit
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -105,6 +113,8 @@ def load(path: Path) -> Calibration:
         # (a, b, k), as saved before c and q were fitted apart, is c = q = k
         calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1]) for kind, c in fits.items()}
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
+        if calibration.colocated_step_fit is not None:
+            calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
         return calibration
     try:
         return Calibration(**fitted(data, source=Path(path).name))

@@ -133,6 +133,32 @@ def fit_decode_step(by_leg: Legs) -> tuple[tuple[float, float, float], float]:
     return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
 
 
+def fit_colocated_step(by_leg: Legs) -> tuple[float, float, float] | None:
+    """ms per decode step of a colocated worker (a + b batch + k context / 1e3), from the colocated legs' TPOT less
+    the time the worker spent on other requests' prompts meanwhile (the simulation adds those steps itself). A
+    colocated worker may have more cores than D (the bench pins P and D to half the machine each, a colocated
+    worker to all of it), so D's step time does not stand in for its own. None with too few requests."""
+    features, tpot = [], []
+    for leg, leg_rows in _legs(by_leg):
+        if leg not in LEGS or LEGS[leg].mode != "colocated":
+            continue
+        for row in leg_rows:
+            start, end = decode_interval(row)
+            if not row.tpot_ms or row.output_tokens < 2 or end <= start:
+                continue
+            prompts_ms = sum(max(0.0, min(end, b) - max(start, a))
+                             for a, b in (prefill_interval(o) for o in leg_rows if o is not row))
+            if prompts_ms < (end - start) / 2:  # most of its decode ran as decode steps
+                batch, context = batch_during_decode(row, leg_rows)
+                features.append([1.0, batch, context / 1e3])
+                tpot.append((end - start - prompts_ms) / (row.output_tokens - 1))
+    if len(tpot) < MIN_FIT_SAMPLES:
+        return None
+    x, y = np.array(features), np.array(tpot)
+    coefficients = nonnegative_lstsq(x, y, [0, 1, 2] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2])
+    return tuple(float(c) for c in coefficients)
+
+
 def batch_during_decode(row: Row, leg_rows: list[Row]) -> tuple[float, float]:
     """(mean batch, mean tokens of context in it) while this request decoded: others weighted by the share of its
     decode they overlapped."""
@@ -211,6 +237,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
     other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
+            "colocated_step_fit": fit_colocated_step(by_leg),
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,

@@ -95,7 +95,7 @@ class StepLoop:
 
     def _segment_ms(self, count: int, batch: int, context: int) -> float:
         """`count` decode steps of `batch` requests; the context grows by `batch` tokens a step."""
-        a, b, k = self.sim.calibration.decode_step_fit
+        a, b, k = self.sim.calibration.step_fit(self.kind)
         if self.sim.shared_cores:
             a += self.sim.contention(self)[1]
         return count * (a + b * batch) + k * (count * context + batch * count * (count - 1) / 2) / 1e3
