@@ -5,8 +5,8 @@ from typing import Optional
 
 import typer
 
-from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig, WorkerConfig, default_of,
-                           help_of)
+from kvturn.config import (SERVER_KEEP_ALIVE_S, ConfigError, ConnectorConfig, EngineConfig, RouterConfig,
+                           WorkerConfig, default_of, help_of)
 
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -112,7 +112,8 @@ def worker(
                    engine=engine,
                    connector=connector)
     setup_logging(log_level)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
 
 
 @app.command()
@@ -157,7 +158,8 @@ def router(
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
                    vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
     setup_logging(log_level)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
 
 
 @app.command()

@@ -6,6 +6,11 @@ ROLES = ("prefill", "decode", "both")
 BACKENDS = ("kvturn", "vllm", "auto")
 PATH_POLICIES = ("pull", "adaptive", "recompute", "compute_on_decode")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# Seconds kvturn's servers (workers, router) keep an idle HTTP connection open: longer than their clients keep one
+# (the router's 4 s, aiohttp's 15 s, a proxy's 60 s), so that the client ends it. A server that closes first races
+# a client sending on the connection at that moment, and the request fails with a disconnect (uvicorn's default
+# is 5 s).
+SERVER_KEEP_ALIVE_S = 75
 
 
 def is_redis_url(value: str | None) -> bool:

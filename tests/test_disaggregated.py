@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -10,7 +11,9 @@ import httpx
 import pytest
 
 from chat import conversation, metric, send, user_message
+from kvturn.config import SERVER_KEEP_ALIVE_S
 from kvturn.launch import LocalStack
+from kvturn.router.upstream import IDLE_CONNECTION_S
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
 TURNS = 5
@@ -179,6 +182,40 @@ def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
     assert max(b for _, b in leg["retained_kv"]) > 0
     for name in ("report.html", "ttft_vs_prompt.png", "prefill_split.png", "session_time.png", "retained_kv.png"):
         assert (out / name).stat().st_size > 1000, name
+
+
+def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
+    """A server that closes an idle connection first races a client sending on it at that moment: the request
+    fails as a disconnect and the router takes the worker for dead (a bench run lost a turn so). kvturn's servers
+    outlast uvicorn's default 5 s; the router reuses a connection for less than that, for servers it does not run."""
+    assert IDLE_CONNECTION_S < 5 < SERVER_KEEP_ALIVE_S
+    connections = []
+    for name in ("router", "prefill", "decode0"):
+        host, port = stacks["pd"].urls[name].removeprefix("http://").split(":")
+        connections.append(socket.create_connection((host, int(port)), timeout=10))
+
+    def health(sock: socket.socket) -> bytes:
+        """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: kvturn\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b""
+            answer += chunk
+        head, body = answer.split(b"\r\n\r\n", 1)
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += sock.recv(4096)
+        return head.split(b"\r\n")[0]
+
+    for sock in connections:
+        assert health(sock) == b"HTTP/1.1 200 OK"
+    time.sleep(6)  # idle past uvicorn's default keep-alive
+    for sock in connections:
+        assert health(sock) == b"HTTP/1.1 200 OK"
+        sock.close()
 
 
 def test_kv_params_replayed_through_the_router_are_ignored(stacks):

@@ -104,6 +104,13 @@ async def _pieces(content: bytes, watch: _Progress):
     watch.done()
 
 
+# An idle connection to a worker is reused for at most this long. A server closes its idle connections after
+# its keep-alive (uvicorn's and vLLM's default: 5 s); a request sent on one just as the server closes it fails
+# with a disconnect, and the router takes the worker for dead. Seen in a bench run: the only prefill worker left
+# the rotation for half a second and a turn got a 503.
+IDLE_CONNECTION_S = 4.0  # kvturn's own servers keep theirs longer still (config.SERVER_KEEP_ALIVE_S)
+
+
 class Upstream:
     def __init__(self, timeout_s: float, headers: dict[str, str]):
         self.timeout_s = timeout_s
@@ -117,7 +124,7 @@ class Upstream:
     async def start(self) -> None:
         """Inside the running event loop, which the session belongs to."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), headers=self._headers,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S), headers=self._headers,
             timeout=self._timeout, cookie_jar=aiohttp.DummyCookieJar(), skip_auto_headers=("User-Agent",))
 
     async def close(self) -> None:
