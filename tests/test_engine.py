@@ -95,12 +95,27 @@ def test_prompts_whose_history_was_read_join_a_step_only_up_to_the_pack_limit():
     # 40 new tokens each: the first alone could take the whole budget; the others get what the limit leaves.
     assert [(seq.request_id, n) for seq, n in step] == [("pulled-0", 40), ("pulled-1", 40), ("pulled-2", 20)]
     for seq, n in step:  # the step ran: the first two sampled their first token
-        seq.timing.first_scheduled = 1.0
         seq.num_computed_tokens += n
         if seq.num_uncomputed_tokens == 0:
             seq.token_ids.append(5)
     assert [(seq.request_id, n) for seq, n in scheduler.schedule(admit)] == [
         ("pulled-0", 1), ("pulled-1", 1), ("pulled-2", 20)]
+    # A single token left under the limit is a prompt's token too: the next prompt does not join for free.
+    scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
+                          max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+    going_on = Sequence("going-on", [3 + t % 50 for t in range(299)], GREEDY)
+    scheduler.add(going_on)
+    assert [n for _, n in scheduler.schedule(lambda seq, hashes: None)] == [299]
+    going_on.num_computed_tokens = 200  # as if preempted work came back: 99 tokens of its prompt to go
+    pulled = [Sequence(f"pulled-{i}", [3 + (i * 7 + t) % 50 for t in range(200)], GREEDY, remote=object())
+              for i in range(2)]
+    for seq in pulled:
+        scheduler.add(seq)
+    scheduler.schedule(admit)  # their reads start
+    for seq in pulled:
+        seq.num_computed_tokens = 160
+        scheduler.finish_loading(seq)
+    assert [(seq.request_id, n) for seq, n in scheduler.schedule(admit)] == [("going-on", 99), ("pulled-0", 1)]
 
 
 def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model_dir, prompts, uncached):

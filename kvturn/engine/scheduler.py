@@ -51,8 +51,9 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
+            in_prompt = seq.num_uncomputed_tokens > 1  # a decode computes its one token
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new > 1 and prompt_tokens and seq.timing.first_scheduled is None:
+            if in_prompt and prompt_tokens and not seq.prompt_started:
                 # A prompt whose history KV has just come from a peer starts here: like one joining from the queue
                 # it takes on only what the pack limit leaves. Without this, reads that ended during a long step all
                 # computed in the next one, whose length then let the next reads end together: pulls went in groups.
@@ -62,8 +63,9 @@ class Scheduler:
             if not self._ensure_blocks(seq, seq.num_computed_tokens + num_new):
                 continue
             batch.append((seq, num_new))
+            seq.prompt_started = True
             budget -= num_new
-            prompt_tokens += num_new if num_new > 1 else 0  # a decode computes one token
+            prompt_tokens += num_new if in_prompt else 0
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
             room = self.prefill_pack_tokens - prompt_tokens  # prompt tokens this step may still take on
@@ -83,6 +85,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget if prompt_tokens == 0 else min(budget, room))
             if num_new > 0:
                 batch.append((seq, num_new))
+                seq.prompt_started = True
                 budget -= num_new
                 prompt_tokens += num_new
         return batch
@@ -130,7 +133,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table, seq.num_computed_tokens, seq.num_published_blocks = [], 0, 0
-        seq.status, seq.remote = Status.WAITING, None
+        seq.status, seq.remote, seq.prompt_started = Status.WAITING, None, False
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -54,6 +54,7 @@ class Sequence:
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.timing = Timing()
         self.aborted = False
+        self.prompt_started = False  # some of its prompt has been in a step (the scheduler's pack limit reads it)
 
     def __len__(self) -> int:
         return len(self.token_ids)
