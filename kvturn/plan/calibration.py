@@ -67,6 +67,17 @@ class Calibration:
         return Path(path)
 
 
+def _read_object(path: Path, expected: str) -> dict:
+    """The JSON object in `path`, or a CalibrationError naming the file and what was `expected` there."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{path}: expected {expected}")
+    return data
+
+
 def load_many(paths: list[Path]) -> Calibration:
     """One calibration, or one fitted to several bench results JSONs pooled."""
     if not paths:
@@ -75,12 +86,7 @@ def load_many(paths: list[Path]) -> Calibration:
         return load(paths[0])
     runs = []
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
-        if not isinstance(data, dict):
-            raise CalibrationError(f"{path}: expected a kvturn bench results JSON")
+        data = _read_object(path, "a kvturn bench results JSON")
         if data.get("kind") == KIND:
             raise CalibrationError(f"{path}: only kvturn bench results JSONs can be pooled (a saved calibration "
                                    "is already fitted: give it alone)")
@@ -92,12 +98,7 @@ def load_many(paths: list[Path]) -> Calibration:
 
 def load(path: Path) -> Calibration:
     """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
-    if not isinstance(data, dict):
-        raise CalibrationError(f"{path}: expected a kvturn bench results JSON or a saved calibration")
+    data = _read_object(path, "a kvturn bench results JSON or a saved calibration")
     if data.get("kind") == KIND:
         fields = {k: v for k, v in data.items() if k != "kind"}
         try:
