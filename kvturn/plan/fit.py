@@ -146,8 +146,8 @@ def fit_colocated_step(by_leg: Legs) -> tuple[float, float, float] | None:
             start, end = decode_interval(row)
             if not row.tpot_ms or row.output_tokens < 2 or end <= start:
                 continue
-            prompts_ms = sum(max(0.0, min(end, b) - max(start, a))
-                             for a, b in (prefill_interval(o) for o in leg_rows if o is not row))
+            others = [prefill_interval(o) for o in leg_rows if o is not row]
+            prompts_ms = (end - start) * busy_share((start, end), others)
             if prompts_ms < (end - start) / 2:  # most of its decode ran as decode steps
                 batch, context = batch_during_decode(row, leg_rows)
                 features.append([1.0, batch, context / 1e3])
