@@ -4,7 +4,11 @@ A router predicts each turn's path from its measured compute (router/paths.py); 
 fresh cluster would predict its first turns from a prior written for some other machine. Each worker instead
 times a few prefill steps at start-up, from scratch and on top of a context, and serves them at
 `/kv/calibration`; a router fits them into the prior of its cost model. Workers on one machine take turns (a
-lock file): two timing their steps at once would each measure the other's load, 2-20x the time alone.
+lock file): two timing their steps at once would each measure the other's load, 2-20x the time alone. The steps run
+with the worker's NIXL agent started, as in service: without its threads they ran 5-8% faster.
+
+The steps run back to back. A served turn often starts on a worker that sat idle, its caches holding what ran
+meanwhile, and runs slower; kvturn plan measures by how much from a bench run's requests (plan/fit.py).
 """
 import fcntl
 import logging

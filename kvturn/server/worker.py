@@ -41,9 +41,9 @@ class Worker:
         eos = set(model.config.eos_token_ids) | {self.tokenizer.eos_token_id}
         self.engine = LLMEngine(model, config.engine, emit=lambda out: None, detokenize=self.tokenizer.decode,
                                 eos_token_ids=eos)
-        # Before the connector registers the pool and any request comes: the steps use free blocks only.
-        self.calibration = time_prefill_steps(self.engine) if config.calibrate else []
         self.connector = KVConnector(self.engine, config.connector) if config.transfers_kv else None
+        # Before any request comes (the steps use free blocks only), with the NIXL agent's threads running.
+        self.calibration = time_prefill_steps(self.engine) if config.calibrate else []
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(self.engine, self.connector)
         connector_config = config.connector
