@@ -14,7 +14,7 @@ from kvturn.launch import LocalStack
 from kvturn.plan import calibration, fit, planner, report, trace
 from kvturn.plan.predict import simulate
 from kvturn.plan.rows import Row
-from kvturn.plan.sim import Deployment, RouterPool
+from kvturn.plan.sim import Deployment, RouterPool, Simulation
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plan_bench_results.json"
@@ -182,10 +182,40 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
                    tokens, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
     rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0)]
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
-    assert sorted((chunks, ms) for chunks, ms, _ in samples) == [(((500, 0),), 90.0), (((1000, 0), (2000, 0)), 300.0)]
+    assert sorted((chunks, ms) for chunks, ms, _, _ in samples) == [(((500, 0),), 90.0), (((1000, 0), (2000, 0)), 300.0)]
     terms = a, b, c, q = (10.0, 0.1, 0.08, 0.05)
     together = fit.predict_compute(terms, ((1000, 100), (2000, 0)))
     assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
+
+
+def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_started_idle(cost_model):
+    # Which prompts started on an idle worker: a does, b starts while a computes (queued behind it), c does.
+    def row(conversation: str, start_ms: float, compute_ms: float) -> Row:
+        return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, 1000, 8, 6.0,
+                   1000, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
+    rows = [row("a", 0.0, 300.0), row("b", 100.0, 90.0), row("c", 1000.0, 120.0)]
+    samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
+    assert sorted((ms, idle) for _, ms, _, idle in samples) == [(90.0, False), (120.0, True), (300.0, True)]
+    # Steps back to back (the workers' start-up steps, prompts queued behind others) against prompts started idle
+    # 1.25x slower; a prompt computed beside D's decodes (busy) says nothing about idling.
+    terms = cost_model.compute_fits["prefill"]
+    shapes = [((n, context),) for n in (200, 500, 1000, 3000) for context in (0, 2000, 6000)]
+    start_up = [(chunks, fit.predict_compute(terms, chunks), 0.0) for chunks in shapes[::2]]
+    requests = [(chunks, fit.predict_compute(terms, chunks) * (1.25 if idle else 1.0), 0.0, idle)
+                for i, chunks in enumerate(shapes) for idle in (i % 2 == 0, i % 3 == 0)]
+    requests.append((shapes[0], fit.predict_compute(terms, shapes[0]) * 3, 0.9, True))
+    assert fit.idle_step_ratio(requests, start_up) == pytest.approx(1.25)
+    assert fit.idle_step_ratio([r for r in requests if not r[3]], start_up) == 1.0  # none started idle
+    ratio = calibration.load(FIXTURE).idle_step_ratio
+    assert 1.0 <= ratio <= fit.MAX_IDLE_RATIO
+
+    one = Workload("one", [Session("s", [TurnDemand(3000, 32, 0)], 0.0), Session("t", [TurnDemand(2000, 32, 0)], 0.0)])
+    ttft = {ratio: sorted(r.ttft_ms for r in Simulation(one, LEGS["pd/P-cache-off"], Deployment(),
+                                                        replace(cost_model, idle_step_ratio=ratio)).run().results)
+            for ratio in (1.0, 1.5)}
+    first = cost_model.prefill_ms(3000, 0)  # alone in P's first step (a prompt alone takes the whole budget)
+    assert ttft[1.5][0] - ttft[1.0][0] == pytest.approx(0.5 * first)
+    assert ttft[1.5][1] - ttft[1.0][1] == pytest.approx(0.5 * first)  # its own step followed: back to back
 
 
 def test_a_colocated_worker_has_its_own_decode_step_less_the_prompts_it_computed_meanwhile(cost_model):

@@ -33,6 +33,9 @@ class Calibration:
     decode_fit_alone: bool = False
     # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
     colocated_step_fit: tuple[float, float, float] | None = None
+    # The first prompt step a worker runs after idling takes this times the compute fit's time, which is of steps
+    # back to back; measured by the workers at start-up (engine/calibration.py)
+    idle_step_ratio: float = 1.0
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -116,6 +119,8 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
+        if type(calibration.idle_step_ratio) not in (int, float) or not 1 <= calibration.idle_step_ratio <= 10:
+            raise CalibrationError(f"{path}: idle_step_ratio must be a number from 1 to 10")
         return calibration
     try:
         return Calibration(**fitted(data, source=Path(path).name))

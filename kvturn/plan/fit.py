@@ -5,7 +5,7 @@ import numpy as np
 
 from kvturn.bench.compare import LEGS
 from kvturn.config import EngineConfig, default_of
-from kvturn.plan.rows import Row, busy_share, decode_interval, prefill_interval, rows_of
+from kvturn.plan.rows import Row, after_idle, busy_share, decode_interval, prefill_interval, rows_of
 from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq, relative_nonnegative_fit
 
 BLOCK_SIZE = default_of(EngineConfig, "block_size")
@@ -13,6 +13,7 @@ MIN_FIT_SAMPLES = 4
 QUIET_SHARE = 0.25  # a prompt computed with the other role busy for less than this is taken as uncontended
 MAX_SLOWDOWN = 3.0
 MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
+MAX_IDLE_RATIO = 2.0
 
 
 class CalibrationError(ValueError):
@@ -61,35 +62,49 @@ def _legs(by_leg: Legs) -> list[tuple[str, list[Row]]]:
     return list(by_leg.items()) if isinstance(by_leg, dict) else by_leg
 
 
-def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float]]]:
-    """(the prompts computed together, ms, share of the time the other role was busy) per kind of worker. Prompts
-    computed in the same steps each report the steps' whole time: those reporting the same time make one sample."""
+def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float, bool]]]:
+    """(the prompts computed together, ms, share of the time the other role was busy, whether the worker was idle
+    when they started) per kind of worker. Prompts computed in the same steps each report the steps' whole time:
+    those reporting the same time make one sample."""
     grouped: dict[tuple, list] = {}
     for group, (leg, leg_rows) in enumerate(_legs(by_leg)):
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
         decoding = [decode_interval(r) for r in leg_rows]
+        prefilling = [prefill_interval(r) for r in leg_rows]
+        on_decode = [_decode_compute_interval(r) for r in leg_rows if r.decode_compute_ms > 0]
         previous: dict[str, Row] = {}
         for row in sorted(leg_rows, key=lambda r: (r.conversation_id, r.turn)):
             if row.computed and row.prefill_compute_ms > 0:
-                busy = 0.0 if colocated else busy_share(prefill_interval(row), decoding, decode_interval(row))
+                interval = prefill_interval(row)
+                busy = 0.0 if colocated else busy_share(interval, decoding, decode_interval(row))
+                others = [i for i in prefilling + (decoding if colocated else []) if i != interval]
                 key = ("colocated" if colocated else "prefill", group, round(row.prefill_compute_ms, 1))
-                grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy))
+                grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy,
+                                                    after_idle(interval[0], others)))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
+                interval = _decode_compute_interval(row)
+                others = [i for i in decoding + on_decode if i != interval and i != decode_interval(row)]
                 key = ("decode", group, round(row.decode_compute_ms, 1))
-                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0))
+                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0, after_idle(interval[0], others)))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     for (kind, _, ms), prompts in grouped.items():
-        chunks = tuple((new, context) for new, context, _ in prompts)
-        samples[kind].append((chunks, ms, max(busy for _, _, busy in prompts)))
+        chunks = tuple((new, context) for new, context, _, _ in prompts)
+        samples[kind].append((chunks, ms, max(busy for _, _, busy, _ in prompts), prompts[0][3]))
     return samples
+
+
+def _decode_compute_interval(row: Row) -> tuple[float, float]:
+    """When D computed the prompt's new tokens: just before its decode began."""
+    start, _ = decode_interval(row)
+    return start - row.decode_compute_ms, start
 
 
 def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float]]]:
     """The prefill steps each leg's workers timed at start-up (the bench keeps their /kv/calibration), per kind of
-    worker, as samples computed alone: prompts from scratch and on a long context, which the requests of one short
-    run span too few of."""
+    worker, as samples computed alone, back to back: prompts from scratch and on a long context, which the requests
+    of one short run span too few of."""
     kinds = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
     samples: dict[str, list] = {kind: [] for kind in kinds.values()}
     for run in (results.get("legs") or {}).values():
@@ -99,6 +114,21 @@ def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float
                 for n, context, ms in filter(None, map(calibration_step, role_steps)):
                     samples[kinds[role]].append((((n, context),), ms, 0.0))
     return samples
+
+
+def idle_step_ratio(requests: list, start_up: list) -> float:
+    """How much slower P computed a prompt it started idle, with D quiet, than its steps back to back predict: the
+    median of those requests' time over a fit of the start-up steps (timed back to back) and of the requests that
+    started while P computed another; 1 with too few of either. Idle, a CPU's caches hold what ran meanwhile
+    (request parsing, tokenizing, others' processes), and on a 2-core machine such a step ran 10-25% slower."""
+    quiet = [(chunks, ms, idle) for chunks, ms, busy, idle in requests if busy < QUIET_SHARE]
+    warm = [sample[:2] for sample in start_up] + [(chunks, ms) for chunks, ms, idle in quiet if not idle]
+    if len(warm) < MIN_FIT_SAMPLES:
+        return 1.0
+    back_to_back = fit_compute(warm)
+    ratios = [ms / predict_compute(back_to_back, chunks) for chunks, ms, idle in quiet
+              if idle and predict_compute(back_to_back, chunks) > 0]
+    return float(np.clip(np.median(ratios), 1.0, MAX_IDLE_RATIO)) if len(ratios) >= MIN_FIT_SAMPLES else 1.0
 
 
 def fit_with_contention(points: list[tuple[Chunks, float, float]]) -> tuple[tuple, float]:
@@ -202,11 +232,15 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         for row in run_rows:
             legs.setdefault(row.leg, []).append(row)
         by_leg += legs.items()
-    samples = compute_samples(by_leg)
+    measured = compute_samples(by_leg)
     start_up: dict[str, list] = {}
     for run in runs:
         for kind, timed in start_up_samples(run).items():
             start_up.setdefault(kind, []).extend(timed)
+    # The fits are of steps back to back: a prompt its worker started idle counts at its time over the ratio.
+    idle_ratio = idle_step_ratio(measured["prefill"], start_up["prefill"])
+    samples = {kind: [(chunks, ms / (idle_ratio if idle else 1.0), busy) for chunks, ms, busy, idle in points]
+               for kind, points in measured.items()}
     # D's requests computed their prompts beside its running decodes; its start-up steps, alone, are fitted
     # instead when there are enough, and the simulation adds the decodes' step (decode_fit_alone).
     decode_fit_alone = len(start_up["decode"]) >= MIN_FIT_SAMPLES
@@ -237,7 +271,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
     other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
-            "colocated_step_fit": fit_colocated_step(by_leg),
+            "colocated_step_fit": fit_colocated_step(by_leg), "idle_step_ratio": idle_ratio,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,

@@ -51,15 +51,17 @@ def baseline_leg(prefix_caching_on_prefill: bool) -> str:
 
 def break_even_history(calibration: Calibration, new_tokens: int, baseline: str, candidate: str) -> int | None:
     """Fewest history tokens from which reusing them (read back, or computed beside on D) beats recomputing them
-    with `new_tokens` added, by the calibrated costs; None if it never does up to MAX_HISTORY_TOKENS."""
+    with `new_tokens` added, by the calibrated costs, for a turn that finds its worker idle; None if it never does
+    up to MAX_HISTORY_TOKENS."""
     on_decode = candidate == "compute-on-D"
+    idle = calibration.idle_step_ratio
 
     def gain(history: int) -> float:
-        recompute = calibration.prefill_ms(new_tokens + history, 0) + calibration.other(baseline)
+        recompute = calibration.prefill_ms(new_tokens + history, 0) * idle + calibration.other(baseline)
         if on_decode:
-            reuse = calibration.prefill_ms(new_tokens, history, "decode")
+            reuse = calibration.prefill_ms(new_tokens, history, "decode") * idle
         else:
-            reuse = calibration.read_ms(history, "d_to_p") + calibration.prefill_ms(new_tokens, history)
+            reuse = calibration.read_ms(history, "d_to_p") + calibration.prefill_ms(new_tokens, history) * idle
         return recompute - reuse - calibration.other(candidate)
 
     history = 16

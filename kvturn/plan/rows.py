@@ -78,3 +78,9 @@ def busy_share(interval: tuple[float, float], others: list[tuple[float, float]],
         return 0.0
     covered = sum(max(0.0, min(interval[1], b) - max(interval[0], a)) for a, b in others if (a, b) != own)
     return min(covered / length, 1.0)
+
+
+def after_idle(start: float, others: list[tuple[float, float]]) -> bool:
+    """The worker was computing nothing else when this work started at `start`: it had been idle, if only for the
+    moments a request's arrival takes (parsing, tokenizing), which on a CPU leave its caches holding other data."""
+    return not any(a < start < b for a, b in others)

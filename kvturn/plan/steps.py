@@ -58,6 +58,7 @@ class StepLoop:
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     busy: bool = False
+    after_idle: bool = False  # the step it starts next is the first since it was idle (Calibration.idle_step_ratio)
     token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
     _versions: int = 0
@@ -89,6 +90,7 @@ class StepLoop:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
             self.busy = True
+            self.after_idle = True
             self._step()
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
@@ -121,6 +123,7 @@ class StepLoop:
         batch = len(self.decoding)
         while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
+        after_idle, self.after_idle = self.after_idle, False
         if not self.prefilling and batch:
             count = self.decoding[0][0] - self.steps
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
@@ -135,6 +138,8 @@ class StepLoop:
         alone = self.kind != "decode" or self.sim.calibration.decode_fit_alone
         chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and alone else 0.0
         slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
+        if after_idle:
+            slowdown *= self.sim.calibration.idle_step_ratio
         prompt_tokens = 0
         for job in self.prefilling:
             room = self.prefill_pack_tokens - prompt_tokens
