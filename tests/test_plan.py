@@ -138,6 +138,14 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
     (tmp_path / "bad.json").write_text(json.dumps(saved))
     with pytest.raises(fit.CalibrationError, match="compute_fits"):
         calibration.load(tmp_path / "bad.json")
+    del saved["idle_step_ratio"]  # saved before the ratio was fitted: steps after idling cost what others do
+    (tmp_path / "older.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits}))
+    assert calibration.load(tmp_path / "older.json").idle_step_ratio == 1.0
+    for ratio in ("x", True, float("nan"), 0.5, 5.0):
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits,
+                                                       "idle_step_ratio": ratio}))
+        with pytest.raises(fit.CalibrationError, match="idle_step_ratio"):
+            calibration.load(tmp_path / "bad.json")
 
 
 def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_pooled(cost_model, tmp_path):
@@ -189,13 +197,15 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
 
 
 def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_started_idle(cost_model):
-    # Which prompts started on an idle worker: a does, b starts while a computes (queued behind it), c does.
-    def row(conversation: str, start_ms: float, compute_ms: float) -> Row:
-        return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, 1000, 8, 6.0,
+    # Which prompts found their worker idle: a does; b arrives while a computes and waits behind it (starting right
+    # after it, back to back); c shares a's steps; d arrives long after.
+    def row(conversation: str, start_ms: float, ttft_ms: float, compute_ms: float) -> Row:
+        return Row("pd/P-cache-off", conversation, 0, start_ms, ttft_ms, ttft_ms + 50, 1000, 8, 6.0,
                    1000, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
-    rows = [row("a", 0.0, 300.0), row("b", 100.0, 90.0), row("c", 1000.0, 120.0)]
+    rows = [row("a", 0.0, 305.0, 300.0), row("b", 100.0, 305.0, 100.0), row("c", 3.0, 302.0, 300.0),
+            row("d", 1000.0, 125.0, 120.0)]
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
-    assert sorted((ms, idle) for _, ms, _, idle in samples) == [(90.0, False), (120.0, True), (300.0, True)]
+    assert sorted((ms, idle) for _, ms, _, idle in samples) == [(100.0, False), (120.0, True), (300.0, True)]
     # Steps back to back (the workers' start-up steps, prompts queued behind others) against prompts started idle
     # 1.25x slower; a prompt computed beside D's decodes (busy) says nothing about idling.
     terms = cost_model.compute_fits["prefill"]
@@ -206,8 +216,18 @@ def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_st
     requests.append((shapes[0], fit.predict_compute(terms, shapes[0]) * 3, 0.9, True))
     assert fit.idle_step_ratio(requests, start_up) == pytest.approx(1.25)
     assert fit.idle_step_ratio([r for r in requests if not r[3]], start_up) == 1.0  # none started idle
-    ratio = calibration.load(FIXTURE).idle_step_ratio
-    assert 1.0 <= ratio <= fit.MAX_IDLE_RATIO
+    # Idle-started prompts count in the fit at their time over the ratio: a run whose every prompt ran 1.25x its
+    # workers' start-up steps, all of them found P idle, fits those steps.
+    results = json.loads(FIXTURE.read_text())
+    fitted_once = calibration.Calibration(**fit.fitted(results))
+    for run in results["legs"].values():
+        run["worker_calibration"] = {"prefill": [{"new_tokens": n, "context_tokens": c,
+                                                  "ms": fitted_once.prefill_ms(n, c) / 1.25}
+                                                 for n, c in ((512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096))]}
+    refitted = calibration.Calibration(**fit.fitted(results))
+    assert refitted.idle_step_ratio == pytest.approx(1.25, rel=0.03)
+    for n, context in ((2000, 0), (256, 4096)):
+        assert refitted.prefill_ms(n, context) == pytest.approx(fitted_once.prefill_ms(n, context) / 1.25, rel=0.03)
 
     one = Workload("one", [Session("s", [TurnDemand(3000, 32, 0)], 0.0), Session("t", [TurnDemand(2000, 32, 0)], 0.0)])
     ttft = {ratio: sorted(r.ttft_ms for r in Simulation(one, LEGS["pd/P-cache-off"], Deployment(),

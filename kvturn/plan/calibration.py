@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.plan.fit import CalibrationError, fitted
+from kvturn.plan.fit import MAX_IDLE_RATIO, CalibrationError, fitted
 from kvturn.plan.rows import rows_of
 
 KIND = "kvturn-calibration"
@@ -34,7 +34,8 @@ class Calibration:
     # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
     colocated_step_fit: tuple[float, float, float] | None = None
     # The first prompt step a worker runs after idling takes this times the compute fit's time, which is of steps
-    # back to back; measured by the workers at start-up (engine/calibration.py)
+    # back to back: fitted to the bench run's requests that found P idle, against the workers' start-up steps, and
+    # applied to every kind of worker (one machine's caches)
     idle_step_ratio: float = 1.0
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
@@ -119,8 +120,10 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
-        if type(calibration.idle_step_ratio) not in (int, float) or not 1 <= calibration.idle_step_ratio <= 10:
-            raise CalibrationError(f"{path}: idle_step_ratio must be a number from 1 to 10")
+        ratio = calibration.idle_step_ratio
+        if type(ratio) not in (int, float) or not 1 <= ratio <= MAX_IDLE_RATIO:
+            raise CalibrationError(f"{path}: idle_step_ratio must be a number from 1 to {MAX_IDLE_RATIO:g}, "
+                                   f"got {ratio!r}")
         return calibration
     try:
         return Calibration(**fitted(data, source=Path(path).name))

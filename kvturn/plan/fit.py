@@ -63,9 +63,9 @@ def _legs(by_leg: Legs) -> list[tuple[str, list[Row]]]:
 
 
 def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float, bool]]]:
-    """(the prompts computed together, ms, share of the time the other role was busy, whether the worker was idle
-    when they started) per kind of worker. Prompts computed in the same steps each report the steps' whole time:
-    those reporting the same time make one sample."""
+    """(the prompts computed together, ms, share of the time the other role was busy, whether they found the worker
+    idle) per kind of worker. Prompts computed in the same steps each report the steps' whole time: those reporting
+    the same time make one sample, which started after idling if any of them found the worker idle."""
     grouped: dict[tuple, list] = {}
     for group, (leg, leg_rows) in enumerate(_legs(by_leg)):
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
@@ -80,18 +80,20 @@ def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float, 
                 others = [i for i in prefilling + (decoding if colocated else []) if i != interval]
                 key = ("colocated" if colocated else "prefill", group, round(row.prefill_compute_ms, 1))
                 grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy,
-                                                    after_idle(interval[0], others)))
+                                                    after_idle(row.start_ms, interval[0], others)))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
                 interval = _decode_compute_interval(row)
                 others = [i for i in decoding + on_decode if i != interval and i != decode_interval(row)]
                 key = ("decode", group, round(row.decode_compute_ms, 1))
-                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0, after_idle(interval[0], others)))
+                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0,
+                                                    after_idle(row.start_ms, interval[0], others)))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     for (kind, _, ms), prompts in grouped.items():
         chunks = tuple((new, context) for new, context, _, _ in prompts)
-        samples[kind].append((chunks, ms, max(busy for _, _, busy, _ in prompts), prompts[0][3]))
+        busy, idle = max(busy for _, _, busy, _ in prompts), any(idle for *_, idle in prompts)
+        samples[kind].append((chunks, ms, busy, idle))
     return samples
 
 
@@ -116,7 +118,8 @@ def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float
     return samples
 
 
-def idle_step_ratio(requests: list, start_up: list) -> float:
+def idle_step_ratio(requests: list[tuple[Chunks, float, float, bool]],
+                    start_up: list[tuple[Chunks, float, float]]) -> float:
     """How much slower P computed a prompt it started idle, with D quiet, than its steps back to back predict: the
     median of those requests' time over a fit of the start-up steps (timed back to back) and of the requests that
     started while P computed another; 1 with too few of either. Idle, a CPU's caches hold what ran meanwhile

@@ -80,7 +80,7 @@ def busy_share(interval: tuple[float, float], others: list[tuple[float, float]],
     return min(covered / length, 1.0)
 
 
-def after_idle(start: float, others: list[tuple[float, float]]) -> bool:
-    """The worker was computing nothing else when this work started at `start`: it had been idle, if only for the
-    moments a request's arrival takes (parsing, tokenizing), which on a CPU leave its caches holding other data."""
-    return not any(a < start < b for a, b in others)
+def after_idle(arrival: float, start: float, others: list[tuple[float, float]]) -> bool:
+    """The worker computed nothing else from the request's arrival to the start of its work: it found the worker
+    idle (a request queued behind another's steps starts right after them, back to back)."""
+    return not any(a < start and b > arrival for a, b in others)
