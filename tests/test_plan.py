@@ -190,7 +190,8 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
                    tokens, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
     rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0)]
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
-    assert sorted((chunks, ms) for chunks, ms, _, _ in samples) == [(((500, 0),), 90.0), (((1000, 0), (2000, 0)), 300.0)]
+    assert sorted((chunks, ms) for chunks, ms, _, _ in samples) == [(((500, 0),), 90.0),
+                                                                    (((1000, 0), (2000, 0)), 300.0)]
     terms = a, b, c, q = (10.0, 0.1, 0.08, 0.05)
     together = fit.predict_compute(terms, ((1000, 100), (2000, 0)))
     assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
@@ -220,10 +221,10 @@ def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_st
     # workers' start-up steps, all of them found P idle, fits those steps.
     results = json.loads(FIXTURE.read_text())
     fitted_once = calibration.Calibration(**fit.fitted(results))
+    timed = ((512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096))
     for run in results["legs"].values():
         run["worker_calibration"] = {"prefill": [{"new_tokens": n, "context_tokens": c,
-                                                  "ms": fitted_once.prefill_ms(n, c) / 1.25}
-                                                 for n, c in ((512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096))]}
+                                                  "ms": fitted_once.prefill_ms(n, c) / 1.25} for n, c in timed]}
     refitted = calibration.Calibration(**fit.fitted(results))
     assert refitted.idle_step_ratio == pytest.approx(1.25, rel=0.03)
     for n, context in ((2000, 0), (256, 4096)):

@@ -58,7 +58,6 @@ class StepLoop:
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     busy: bool = False
-    after_idle: bool = False  # the step it starts next is the first since it was idle (Calibration.idle_step_ratio)
     token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
     _versions: int = 0
@@ -90,8 +89,7 @@ class StepLoop:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
             self.busy = True
-            self.after_idle = True
-            self._step()
+            self._step(after_idle=True)
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 
@@ -118,12 +116,12 @@ class StepLoop:
             end = seg.start_s + self._segment_ms(low, seg.batch, seg.context) / 1e3
             self.sim.at(end, self._end_segment, seg.version)
 
-    def _step(self) -> None:
+    def _step(self, after_idle: bool = False) -> None:
+        """The next step; `after_idle`: the first since the worker was idle (Calibration.idle_step_ratio)."""
         now = self.sim.now
         batch = len(self.decoding)
         while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
-        after_idle, self.after_idle = self.after_idle, False
         if not self.prefilling and batch:
             count = self.decoding[0][0] - self.steps
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
