@@ -57,6 +57,7 @@ class StepLoop:
     context: int = 0  # tokens of KV the decoding requests attend to
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
+    steps_in_flight: int = 0  # decode steps the step or segment now running adds to `steps` when it ends
     busy: bool = False
     token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
@@ -75,9 +76,12 @@ class StepLoop:
         if job.decode_steps <= 0:
             self._finish(job, now)
             return
+        if self.segment is not None and self.segment.count > 1:
+            self._cut_segment()
+        # The job's first decode step is the one after the steps now running: those are not its own.
         self._order += 1
-        job.joined_step = self.steps
-        heapq.heappush(self.decoding, (self.steps + job.decode_steps, self._order, job))
+        job.joined_step = self.steps + self.steps_in_flight
+        heapq.heappush(self.decoding, (job.joined_step + job.decode_steps, self._order, job))
         self.context += job.prompt_tokens
         self._wake()
 
@@ -113,6 +117,7 @@ class StepLoop:
         if low < seg.count:
             self._versions += 1
             seg.count, seg.version = low, self._versions
+            self.steps_in_flight = low
             end = seg.start_s + self._segment_ms(low, seg.batch, seg.context) / 1e3
             self.sim.at(end, self._end_segment, seg.version)
 
@@ -126,6 +131,7 @@ class StepLoop:
             count = self.decoding[0][0] - self.steps
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
             self.segment = Segment(now, count, batch, self.context, self._versions)
+            self.steps_in_flight = count
             self.sim.at(now + self._segment_ms(count, batch, self.context) / 1e3, self._end_segment, self._versions)
             return
         if not self.prefilling:
@@ -148,6 +154,7 @@ class StepLoop:
             budget -= n
             prompt_tokens += n
         ms += self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind) * slowdown
+        self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
     def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
@@ -180,6 +187,7 @@ class StepLoop:
 
     def _advance(self, count: int, batch: int, now: float) -> None:
         self.steps += count
+        self.steps_in_flight = 0
         self.context += count * batch
         while self.decoding and self.decoding[0][0] <= self.steps:
             _, _, job = heapq.heappop(self.decoding)
