@@ -118,6 +118,35 @@ def test_prompts_whose_history_was_read_join_a_step_only_up_to_the_pack_limit():
     assert [(seq.request_id, n) for seq, n in scheduler.schedule(admit)] == [("going-on", 99), ("pulled-0", 1)]
 
 
+def test_a_prompt_whose_read_is_done_when_posted_computes_in_the_step_that_started_the_read():
+    """Over shared memory a read is done when its post returns. The scheduler polls the reads it has just started and
+    lets those done join the same step (under the pack limit), rather than leaving them to the next step: on a busy
+    prefill worker that step would be a whole step of others' prompts later."""
+    from kvturn.engine.block_manager import BlockManager
+    from kvturn.engine.scheduler import Scheduler
+    from kvturn.engine.sequence import Status
+
+    def admit(seq, hashes):
+        if seq.remote is not None:
+            seq.status = Status.LOADING_KV  # its first 160 tokens' KV is read from a peer
+
+    for polled in (True, False):
+        scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
+                              max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+        pulled = [Sequence(f"pulled-{i}", [3 + (i * 7 + t) % 50 for t in range(200)], GREEDY, remote=object())
+                  for i in range(2)]
+        for seq in (Sequence("local", [3 + t % 50 for t in range(60)], GREEDY), *pulled):
+            scheduler.add(seq)
+
+        def poll():  # the first read is done, the second is not
+            pulled[0].num_computed_tokens = 160
+            scheduler.finish_loading(pulled[0])
+
+        step = [(seq.request_id, n) for seq, n in scheduler.schedule(admit, poll if polled else None)]
+        assert step == ([("local", 60), ("pulled-0", 40)] if polled else [("local", 60)])
+        assert scheduler.loading == pulled[1:] if polled else pulled
+
+
 def test_preemption_under_block_pressure_gives_the_same_tokens(tiny_model_dir, prompts, uncached):
     # 40 blocks of 16 tokens cannot hold all eight sequences at once (they need 49).
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=40, max_num_batched_tokens=256))

@@ -130,12 +130,7 @@ class LLMEngine:
         """One scheduling round and forward pass; False when nothing could run."""
         if self.connector:
             self.connector.poll()
-        batch = self.scheduler.schedule(self._on_admit)
-        if not batch and self.connector and self.connector.waiting_on_reads:
-            # Reads this round's admissions started: over shared memory the bytes are in when the post returns,
-            # so take them now rather than after the engine loop's idle wait.
-            self.connector.poll()
-            batch = self.scheduler.schedule(self._on_admit)
+        batch = self.scheduler.schedule(self._on_admit, self.connector.poll if self.connector else None)
         if not batch:
             return False
         started = time.perf_counter()

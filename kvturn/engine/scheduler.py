@@ -20,6 +20,23 @@ def reusable_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
+class _Step:
+    """The step being scheduled: what it runs, and the token budget and prompt tokens it has taken."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.prompt_tokens = 0
+        self.batch: list[tuple[Sequence, int]] = []
+        self.scheduled: set[int] = set()  # id() of the sequences in the batch
+
+    def take(self, seq: Sequence, num_new: int, in_prompt: bool) -> None:
+        self.batch.append((seq, num_new))
+        self.scheduled.add(id(seq))
+        seq.prompt_started = True
+        self.budget -= num_new
+        self.prompt_tokens += num_new if in_prompt else 0
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  reclaim_retained: Callable[[], bool], prefill_pack_tokens: int | None = None):
@@ -40,35 +57,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
-    def schedule(self, admit: Callable[[Sequence, list[int]], None]) -> list[tuple[Sequence, int]]:
+    def schedule(self, admit: Callable[[Sequence, list[int]], None],
+                 poll: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
         """Returns (sequence, tokens to compute) pairs. `admit` is told of each admitted sequence and
-        the chained hashes of its full blocks, and may move it to LOADING_KV."""
-        budget = self.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
-        prompt_tokens = 0  # of prompts computing in this step
-        for seq in list(self.running):
-            if budget == 0:
-                break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
-            in_prompt = seq.num_uncomputed_tokens > 1  # a decode computes its one token
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if in_prompt and prompt_tokens and not seq.prompt_started:
-                # A prompt whose history KV has just come from a peer starts here: like one joining from the queue
-                # it takes on only what the pack limit leaves. Without this, reads that ended during a long step all
-                # computed in the next one, whose length then let the next reads end together: pulls went in groups.
-                num_new = min(num_new, self.prefill_pack_tokens - prompt_tokens)
-                if num_new <= 0:
-                    continue
-            if not self._ensure_blocks(seq, seq.num_computed_tokens + num_new):
-                continue
-            batch.append((seq, num_new))
-            seq.prompt_started = True
-            budget -= num_new
-            prompt_tokens += num_new if in_prompt else 0
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
+        the chained hashes of its full blocks, and may move it to LOADING_KV. `poll` (the connector's) is called
+        after this round's reads have started: over shared memory a read is done when its post returns, so a
+        prompt whose history KV is in by then computes in this step, not one step later."""
+        step = _Step(self.max_num_batched_tokens)
+        self._take_running(list(self.running), step)
+        started_reads = False
+        while self.waiting and step.budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             seq = self.waiting[0]
-            room = self.prefill_pack_tokens - prompt_tokens  # prompt tokens this step may still take on
+            room = self.prefill_pack_tokens - step.prompt_tokens  # prompt tokens this step may still take on
             if room <= 0 and seq.remote is None:
                 break  # (a prompt whose KV a peer holds computes nothing yet: its read may start now)
             hashes = self._admit_blocks(seq)
@@ -79,16 +79,36 @@ class Scheduler:
             admit(seq, hashes)
             if seq.status is Status.LOADING_KV:
                 self.loading.append(seq)
+                started_reads = True
                 continue
             self.running.append(seq)
             # A prompt joining others computes only what the pack limit leaves; it goes on in the next steps.
-            num_new = min(seq.num_uncomputed_tokens, budget if prompt_tokens == 0 else min(budget, room))
+            num_new = min(seq.num_uncomputed_tokens, step.budget if step.prompt_tokens == 0 else min(step.budget, room))
             if num_new > 0:
-                batch.append((seq, num_new))
-                seq.prompt_started = True
-                budget -= num_new
-                prompt_tokens += num_new
-        return batch
+                step.take(seq, num_new, in_prompt=True)
+        if started_reads and poll is not None:
+            poll()  # the reads just done move their sequences from `loading` to the end of `running`
+            self._take_running([seq for seq in self.running if id(seq) not in step.scheduled], step)
+        return step.batch
+
+    def _take_running(self, sequences: list[Sequence], step: "_Step") -> None:
+        for seq in sequences:
+            if step.budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            in_prompt = seq.num_uncomputed_tokens > 1  # a decode computes its one token
+            num_new = min(seq.num_uncomputed_tokens, step.budget)
+            if in_prompt and step.prompt_tokens and not seq.prompt_started:
+                # A prompt whose history KV has just come from a peer starts here: like one joining from the queue
+                # it takes on only what the pack limit leaves. Without this, reads that ended during a long step all
+                # computed in the next one, whose length then let the next reads end together: pulls went in groups.
+                num_new = min(num_new, self.prefill_pack_tokens - step.prompt_tokens)
+                if num_new <= 0:
+                    continue
+            if not self._ensure_blocks(seq, seq.num_computed_tokens + num_new):
+                continue
+            step.take(seq, num_new, in_prompt)
 
     def _admit_blocks(self, seq: Sequence) -> list[int] | None:
         """Take the cached prefix and allocate the rest of the prompt's blocks; returns the hashes of all its
