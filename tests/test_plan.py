@@ -241,6 +241,22 @@ def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_st
     assert ttft[1.5][1] - ttft[1.0][1] == pytest.approx(0.5 * first)  # its own step followed: back to back
 
 
+def test_a_colocated_prompt_step_counts_without_the_decodes_it_ran_beside():
+    # a decodes from 100 to 1100 ms; b's prompt (200 new tokens on 800 of history) computes in one step at 510-560,
+    # beside a's decode (batch 1, 2016 tokens of context): the simulation adds that decode's step to a colocated
+    # worker's prompt steps itself, so b's sample is its step less one decode step by the colocated step fit.
+    def row(conversation: str, start_ms: float, ttft_ms: float, latency_ms: float, tokens: int, computed: int,
+            compute_ms: float) -> Row:
+        return Row("colocated", conversation, 0, start_ms, ttft_ms, latency_ms, tokens, 32, 10.0, computed,
+                   compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
+    rows = {"colocated": [row("a", 0.0, 100.0, 1100.0, 2000, 2000, 95.0),
+                          row("b", 500.0, 60.0, 200.0, 1000, 200, 50.0)]}
+    step = (5.0, 0.0, 2.0)
+    samples = sorted(ms for _, ms, _, _ in fit.compute_samples(rows, step)["colocated"])
+    assert samples == pytest.approx([50.0 - (5.0 + 2.0 * 2.016), 95.0])
+    assert sorted(ms for _, ms, _, _ in fit.compute_samples(rows)["colocated"]) == [50.0, 95.0]
+
+
 def test_a_colocated_worker_has_its_own_decode_step_less_the_prompts_it_computed_meanwhile(cost_model):
     def row(conversation: str, start_ms: float, tokens: int, output: int, ttft_ms: float, step_ms: float,
             stalled_ms: float = 0.0) -> Row:

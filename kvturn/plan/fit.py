@@ -14,6 +14,8 @@ QUIET_SHARE = 0.25  # a prompt computed with the other role busy for less than t
 MAX_SLOWDOWN = 3.0
 MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
 MAX_IDLE_RATIO = 2.0
+MAX_BATCHED_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a step's token budget (chunked prefill)
+MIN_PROMPT_SHARE = 0.25  # of a colocated prompt step's time, the least left to the prompts once the decodes' is out
 
 
 class CalibrationError(ValueError):
@@ -62,10 +64,14 @@ def _legs(by_leg: Legs) -> list[tuple[str, list[Row]]]:
     return list(by_leg.items()) if isinstance(by_leg, dict) else by_leg
 
 
-def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float, bool]]]:
+def compute_samples(by_leg: Legs, colocated_step: tuple[float, float, float] | None = None
+                    ) -> dict[str, list[tuple[Chunks, float, float, bool]]]:
     """(the prompts computed together, ms, share of the time the other role was busy, whether they found the worker
     idle) per kind of worker. Prompts computed in the same steps each report the steps' whole time: those reporting
-    the same time make one sample, which started after idling if any of them found the worker idle."""
+    the same time make one sample, which started after idling if any of them found the worker idle.
+
+    A colocated worker's prompt steps also ran its decodes; with `colocated_step` (its decode step fit) their part
+    is taken out, since the simulation adds a step of the decodes running to each prompt step."""
     grouped: dict[tuple, list] = {}
     for group, (leg, leg_rows) in enumerate(_legs(by_leg)):
         colocated = leg in LEGS and LEGS[leg].mode == "colocated"
@@ -79,22 +85,43 @@ def compute_samples(by_leg: Legs) -> dict[str, list[tuple[Chunks, float, float, 
                 busy = 0.0 if colocated else busy_share(interval, decoding, decode_interval(row))
                 others = [i for i in prefilling + (decoding if colocated else []) if i != interval]
                 key = ("colocated" if colocated else "prefill", group, round(row.prefill_compute_ms, 1))
+                beside = decodes_beside(interval, row, leg_rows) if colocated and colocated_step else None
                 grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy,
-                                                    after_idle(row.start_ms, interval[0], others)))
+                                                    after_idle(row.start_ms, interval[0], others), beside))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
                 interval = _decode_compute_interval(row)
                 others = [i for i in decoding + on_decode if i != interval and i != decode_interval(row)]
                 key = ("decode", group, round(row.decode_compute_ms, 1))
                 grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0,
-                                                    after_idle(row.start_ms, interval[0], others)))
+                                                    after_idle(row.start_ms, interval[0], others), None))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     for (kind, _, ms), prompts in grouped.items():
-        chunks = tuple((new, context) for new, context, _, _ in prompts)
-        busy, idle = max(busy for _, _, busy, _ in prompts), any(idle for *_, idle in prompts)
+        chunks = tuple((new, context) for new, context, *_ in prompts)
+        busy, idle = max(prompt[2] for prompt in prompts), any(prompt[3] for prompt in prompts)
+        besides = [prompt[4] for prompt in prompts if prompt[4] is not None]
+        if besides:  # the prompts shared their steps, and so the decodes beside them
+            batch, context = max(besides)
+            steps = -(-sum(new for new, _ in chunks) // MAX_BATCHED_TOKENS)
+            a, b, k = colocated_step
+            # A batch under one is a decode beside part of the time: the step's fixed cost counts for that part.
+            decodes_ms = steps * (a * min(batch, 1.0) + b * batch + k * context / 1e3)
+            ms = max(ms - decodes_ms, ms * MIN_PROMPT_SHARE)
         samples[kind].append((chunks, ms, busy, idle))
     return samples
+
+
+def decodes_beside(interval: tuple[float, float], row: Row, leg_rows: list[Row]) -> tuple[float, float]:
+    """(mean batch, mean tokens of context) of the other requests decoding while `interval` ran, weighted by the
+    share of it they overlapped."""
+    batch = context = 0.0
+    for other in leg_rows:
+        if other is not row:
+            share = busy_share(interval, [decode_interval(other)])
+            batch += share
+            context += share * (other.input_tokens + other.output_tokens / 2)
+    return batch, context
 
 
 def _decode_compute_interval(row: Row) -> tuple[float, float]:
@@ -195,15 +222,8 @@ def fit_colocated_step(by_leg: Legs) -> tuple[float, float, float] | None:
 def batch_during_decode(row: Row, leg_rows: list[Row]) -> tuple[float, float]:
     """(mean batch, mean tokens of context in it) while this request decoded: others weighted by the share of its
     decode they overlapped."""
-    mine = decode_interval(row)
-    length = mine[1] - mine[0]
-    batch, context = 1.0, row.input_tokens + row.output_tokens / 2
-    for other in leg_rows:
-        if other is not row and length > 0:
-            share = busy_share(mine, [decode_interval(other)])
-            batch += share
-            context += share * (other.input_tokens + other.output_tokens / 2)
-    return batch, context
+    batch, context = decodes_beside(decode_interval(row), row, leg_rows)
+    return 1.0 + batch, row.input_tokens + row.output_tokens / 2 + context
 
 
 def _alone(row: Row, leg_rows: list[Row]) -> bool:
@@ -235,7 +255,8 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         for row in run_rows:
             legs.setdefault(row.leg, []).append(row)
         by_leg += legs.items()
-    measured = compute_samples(by_leg)
+    colocated_step = fit_colocated_step(by_leg)
+    measured = compute_samples(by_leg, colocated_step)
     start_up: dict[str, list] = {}
     for run in runs:
         for kind, timed in start_up_samples(run).items():
@@ -274,7 +295,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
     other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
-            "colocated_step_fit": fit_colocated_step(by_leg), "idle_step_ratio": idle_ratio,
+            "colocated_step_fit": colocated_step, "idle_step_ratio": idle_ratio,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
