@@ -140,13 +140,18 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
     (tmp_path / "bad.json").write_text(json.dumps(saved))
     with pytest.raises(fit.CalibrationError, match="compute_fits"):
         calibration.load(tmp_path / "bad.json")
-    del saved["idle_step_ratio"]  # saved before the ratio was fitted: steps after idling cost what others do
-    (tmp_path / "older.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits}))
-    assert calibration.load(tmp_path / "older.json").idle_step_ratio == 1.0
-    for ratio in ("x", True, float("nan"), 0.5, 5.0):
-        (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits,
-                                                       "idle_step_ratio": ratio}))
-        with pytest.raises(fit.CalibrationError, match="idle_step_ratio"):
+    # Saved before these were fitted (or with the ratio fitted once instead): steps after idling cost what others
+    # do, or that times 1 + the slowdown with the other role busy.
+    del saved["idle_step_ms"], saved["busy_idle_step_ms"]
+    (tmp_path / "older.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits,
+                                                     "idle_step_ratio": 1.2}))
+    older = calibration.load(tmp_path / "older.json")
+    assert older.idle_step_ms == 0.0 and older.busy_idle_step_ms is None
+    assert older.after_idle_ms(100.0, True) == pytest.approx(100.0 * (1 + older.contention["prefill_slowdown"]))
+    for name, value in [("idle_step_ms", v) for v in ("x", True, float("nan"), -0.5, 5000.0)] + \
+                       [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)]:
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
+        with pytest.raises(fit.CalibrationError, match=name):
             calibration.load(tmp_path / "bad.json")
 
 
@@ -199,7 +204,7 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
     assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
 
 
-def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_started_idle(cost_model):
+def test_a_prompt_step_after_idling_takes_the_ms_measured_on_requests_that_started_idle(cost_model):
     # Which prompts found their worker idle: a does; b arrives while a computes and waits behind it (starting right
     # after it, back to back); c shares a's steps; d arrives long after.
     def row(conversation: str, start_ms: float, ttft_ms: float, compute_ms: float) -> Row:
@@ -210,35 +215,57 @@ def test_a_prompt_step_after_idling_takes_the_ratio_measured_on_requests_that_st
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
     assert sorted((ms, idle) for _, ms, _, idle in samples) == [(100.0, False), (120.0, True), (300.0, True)]
     # Steps back to back (the workers' start-up steps, prompts queued behind others) against prompts started idle
-    # 1.25x slower; a prompt computed beside D's decodes (busy) says nothing about idling.
+    # 12 ms longer, whatever their size; a prompt computed beside D's decodes (busy) says nothing about idling.
     terms = cost_model.compute_fits["prefill"]
     shapes = [((n, context),) for n in (200, 500, 1000, 3000) for context in (0, 2000, 6000)]
     start_up = [(chunks, fit.predict_compute(terms, chunks), 0.0) for chunks in shapes[::2]]
-    requests = [(chunks, fit.predict_compute(terms, chunks) * (1.25 if idle else 1.0), 0.0, idle)
+    requests = [(chunks, fit.predict_compute(terms, chunks) + (12.0 if idle else 0.0), 0.0, idle)
                 for i, chunks in enumerate(shapes) for idle in (i % 2 == 0, i % 3 == 0)]
     requests.append((shapes[0], fit.predict_compute(terms, shapes[0]) * 3, 0.9, True))
-    assert fit.idle_step_ratio(requests, start_up) == pytest.approx(1.25)
-    assert fit.idle_step_ratio([r for r in requests if not r[3]], start_up) == 1.0  # none started idle
-    # Idle-started prompts count in the fit at their time over the ratio: a run whose every prompt ran 1.25x its
+    assert fit.idle_step_ms(requests, start_up) == pytest.approx(12.0)
+    assert fit.idle_step_ms([r for r in requests if not r[3]], start_up) == 0.0  # none started idle
+    # Idle-started prompts count in the fit less those ms: a run whose every prompt took 20 ms more than its
     # workers' start-up steps, all of them found P idle, fits those steps.
     results = json.loads(FIXTURE.read_text())
     fitted_once = calibration.Calibration(**fit.fitted(results))
     timed = ((512, 0), (2048, 0), (4096, 0), (256, 2048), (256, 4096))
     for run in results["legs"].values():
         run["worker_calibration"] = {"prefill": [{"new_tokens": n, "context_tokens": c,
-                                                  "ms": fitted_once.prefill_ms(n, c) / 1.25} for n, c in timed]}
+                                                  "ms": fitted_once.prefill_ms(n, c) - 20.0} for n, c in timed]}
     refitted = calibration.Calibration(**fit.fitted(results))
-    assert refitted.idle_step_ratio == pytest.approx(1.25, rel=0.03)
-    for n, context in ((2000, 0), (256, 4096)):
-        assert refitted.prefill_ms(n, context) == pytest.approx(fitted_once.prefill_ms(n, context) / 1.25, rel=0.03)
+    assert refitted.idle_step_ms == pytest.approx(20.0, rel=0.1)
+    for n, context in ((512, 0), (256, 2048), (256, 4096)):  # short prompts, whose time the idle ms weigh most in
+        back_to_back = refitted.prefill_ms(n, context)
+        assert back_to_back < fitted_once.prefill_ms(n, context) - 10.0
+        assert refitted.after_idle_ms(back_to_back, False) == pytest.approx(fitted_once.prefill_ms(n, context), rel=0.1)
 
     one = Workload("one", [Session("s", [TurnDemand(3000, 32, 0)], 0.0), Session("t", [TurnDemand(2000, 32, 0)], 0.0)])
-    ttft = {ratio: sorted(r.ttft_ms for r in Simulation(one, LEGS["pd/P-cache-off"], Deployment(),
-                                                        replace(cost_model, idle_step_ratio=ratio)).run().results)
-            for ratio in (1.0, 1.5)}
-    first = cost_model.prefill_ms(3000, 0)  # alone in P's first step (a prompt alone takes the whole budget)
-    assert ttft[1.5][0] - ttft[1.0][0] == pytest.approx(0.5 * first)
-    assert ttft[1.5][1] - ttft[1.0][1] == pytest.approx(0.5 * first)  # its own step followed: back to back
+    ttft = {ms: sorted(r.ttft_ms for r in Simulation(one, LEGS["pd/P-cache-off"], Deployment(),
+                                                     replace(cost_model, idle_step_ms=ms)).run().results)
+            for ms in (0.0, 30.0)}
+    assert ttft[30.0][0] - ttft[0.0][0] == pytest.approx(30.0)  # alone in P's first step
+    assert ttft[30.0][1] - ttft[0.0][1] == pytest.approx(30.0)  # its own step followed: back to back
+
+
+def test_a_prompt_p_starts_idle_while_d_is_busy_costs_fixed_ms_beyond_the_fit(cost_model):
+    # P's prompts: back to back with D quiet on the fit; back to back with D busy 1.1x; started idle with D busy 15 ms
+    # beyond the fit, whatever their size (a step reloading what D's decodes pushed out of the caches).
+    terms = cost_model.compute_fits["prefill"]
+    shapes = [((n, context),) for n in (200, 500, 1000, 3000) for context in (0, 2000, 6000)]
+    points = [(chunks, fit.predict_compute(terms, chunks), 0.0, False) for chunks in shapes]
+    points += [(chunks, fit.predict_compute(terms, chunks) * 1.1, 1.0, False) for chunks in shapes[::2]]
+    points += [(chunks, fit.predict_compute(terms, chunks) + 15.0, 1.0, True) for chunks in shapes[1::2]]
+    base, slowdown, busy_idle_ms = fit.fit_with_contention(points, idle_ms=0.0)
+    assert slowdown == pytest.approx(0.1, rel=0.02) and busy_idle_ms == pytest.approx(15.0, rel=0.02)
+    assert fit.fit_with_contention(points[:-len(shapes[1::2])], idle_ms=0.0)[2] is None  # none started idle
+    # The simulation: P's first step after idling, with D decoding a long answer meanwhile, takes the fit + 15 ms.
+    model = replace(cost_model, busy_idle_step_ms=15.0, idle_step_ms=0.0)
+    later = Workload("w", [Session("d", [TurnDemand(500, 400, 0)], 0.0), Session("p", [TurnDemand(3000, 2, 0)], 0.5)])
+    ttft = {}
+    for deployment in (Deployment(one_host=True), Deployment()):
+        results = Simulation(later, LEGS["pd/P-cache-off"], deployment, model).run().results
+        ttft[deployment.one_host] = next(r.ttft_ms for r in results if r.session == 1)
+    assert ttft[True] - ttft[False] == pytest.approx(15.0, abs=0.5)
 
 
 def test_a_colocated_prompt_step_counts_without_the_decodes_it_ran_beside():

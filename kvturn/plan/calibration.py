@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.plan.fit import MAX_IDLE_RATIO, CalibrationError, fitted
+from kvturn.plan.fit import MAX_IDLE_MS, CalibrationError, fitted
 from kvturn.plan.rows import rows_of
 
 KIND = "kvturn-calibration"
@@ -33,10 +33,13 @@ class Calibration:
     decode_fit_alone: bool = False
     # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
     colocated_step_fit: tuple[float, float, float] | None = None
-    # The first prompt step a worker runs after idling takes this times the compute fit's time, which is of steps
-    # back to back: fitted to the bench run's requests that found P idle, against the workers' start-up steps, and
-    # applied to every kind of worker (one machine's caches)
-    idle_step_ratio: float = 1.0
+    # The first prompt step a worker runs after idling takes this many ms beyond the compute fit's time, which is
+    # of steps back to back: fitted to the bench run's requests that found P idle with D quiet, against the
+    # workers' start-up steps, and applied to every kind of worker (one machine's caches)
+    idle_step_ms: float = 0.0
+    # ...and this many when the other role is busy on the same cores (one host); None, as saved before it was
+    # fitted: (the fit's time + idle_step_ms) x (1 + prefill_slowdown)
+    busy_idle_step_ms: float | None = None
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -52,6 +55,14 @@ class Calibration:
         per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
         a, b, c, q = self.fit_for(worker)
         return a + sum(b * n + c * n * context / 1e3 + q * n * n / 2e3 for n, context in chunks) if chunks else 0.0
+
+    def after_idle_ms(self, compute_ms: float, other_role_busy: bool) -> float:
+        """What the first prompt step after idling takes, whose compute the fit puts at `compute_ms`."""
+        if not other_role_busy:
+            return compute_ms + self.idle_step_ms
+        if self.busy_idle_step_ms is not None:
+            return compute_ms + self.busy_idle_step_ms
+        return (compute_ms + self.idle_step_ms) * (1.0 + self.contention["prefill_slowdown"])
 
     def step_fit(self, worker: str) -> tuple[float, float, float]:
         """(a, b, k) of `worker`'s decode step: ms = a + b batch + k context tokens / 1e3."""
@@ -104,7 +115,8 @@ def load(path: Path) -> Calibration:
     """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
     data = _read_object(path, "a kvturn bench results JSON or a saved calibration")
     if data.get("kind") == KIND:
-        fields = {k: v for k, v in data.items() if k != "kind"}
+        # A ratio saved for steps after idling (before they were found to cost fixed ms) is not carried over.
+        fields = {k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}
         try:
             calibration = Calibration(**fields)
         except TypeError as exc:
@@ -120,10 +132,10 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
-        ratio = calibration.idle_step_ratio
-        if type(ratio) not in (int, float) or not 1 <= ratio <= MAX_IDLE_RATIO:
-            raise CalibrationError(f"{path}: idle_step_ratio must be a number from 1 to {MAX_IDLE_RATIO:g}, "
-                                   f"got {ratio!r}")
+        for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
+            value = getattr(calibration, name)
+            if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):
+                raise CalibrationError(f"{path}: {name} must be a number from 0 to {MAX_IDLE_MS:g}, got {value!r}")
         return calibration
     try:
         return Calibration(**fitted(data, source=Path(path).name))

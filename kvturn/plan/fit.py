@@ -13,7 +13,7 @@ MIN_FIT_SAMPLES = 4
 QUIET_SHARE = 0.25  # a prompt computed with the other role busy for less than this is taken as uncontended
 MAX_SLOWDOWN = 3.0
 MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
-MAX_IDLE_RATIO = 2.0
+MAX_IDLE_MS = 1000.0  # what starting a step idle may add
 MAX_BATCHED_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a step's token budget (chunked prefill)
 MIN_PROMPT_SHARE = 0.25  # of a colocated prompt step's time, the least left to the prompts once the decodes' is out
 
@@ -145,30 +145,49 @@ def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float
     return samples
 
 
-def idle_step_ratio(requests: list[tuple[Chunks, float, float, bool]],
-                    start_up: list[tuple[Chunks, float, float]]) -> float:
-    """How much slower P computed a prompt it started idle, with D quiet, than its steps back to back predict: the
-    median of those requests' time over a fit of the start-up steps (timed back to back) and of the requests that
-    started while P computed another; 1 with too few of either. Idle, a CPU's caches hold what ran meanwhile
-    (request parsing, tokenizing, others' processes), and on a 2-core machine such a step ran 10-25% slower."""
+def idle_step_ms(requests: list[tuple[Chunks, float, float, bool]],
+                 start_up: list[tuple[Chunks, float, float]]) -> float:
+    """How much longer P computed a prompt it started idle, with D quiet, than its steps back to back predict: the
+    median of those requests' time beyond a fit of the start-up steps (timed back to back) and of the requests that
+    started while P computed another; 0 with too few of either. Idle, a CPU's caches fill with what ran meanwhile
+    (request parsing, tokenizing, others' processes) and the first step reloads them: on the 2-core dev machine
+    ~9-17 ms, hardly more for a long prompt than for a short one."""
     quiet = [(chunks, ms, idle) for chunks, ms, busy, idle in requests if busy < QUIET_SHARE]
     warm = [sample[:2] for sample in start_up] + [(chunks, ms) for chunks, ms, idle in quiet if not idle]
     if len(warm) < MIN_FIT_SAMPLES:
-        return 1.0
+        return 0.0
     back_to_back = fit_compute(warm)
-    ratios = [ms / predict_compute(back_to_back, chunks) for chunks, ms, idle in quiet
-              if idle and predict_compute(back_to_back, chunks) > 0]
-    return float(np.clip(np.median(ratios), 1.0, MAX_IDLE_RATIO)) if len(ratios) >= MIN_FIT_SAMPLES else 1.0
+    extra = [ms - predict_compute(back_to_back, chunks) for chunks, ms, idle in quiet if idle]
+    return float(np.clip(np.median(extra), 0.0, MAX_IDLE_MS)) if len(extra) >= MIN_FIT_SAMPLES else 0.0
 
 
-def fit_with_contention(points: list[tuple[Chunks, float, float]]) -> tuple[tuple, float]:
-    """(compute fit of the prompts computed with the other role quiet, the median share by which the others' time
-    grew per unit of the time the other role was busy)."""
-    quiet = [p for p in points if p[2] < QUIET_SHARE]
-    base = fit_compute([p[:2] for p in (quiet if len(quiet) >= MIN_FIT_SAMPLES else points)])
-    growth = [(ms / predict_compute(base, chunks) - 1) / busy for chunks, ms, busy in points
-              if busy >= 1 - QUIET_SHARE and predict_compute(base, chunks) > 0]
-    return base, float(np.clip(np.median(growth), 0.0, MAX_SLOWDOWN)) if growth else 0.0
+def back_to_back_ms(ms: float, idle: bool, idle_ms: float) -> float:
+    """A measured prompt's time as a step back to back would have taken: less the cost of starting idle."""
+    return max(ms - idle_ms, ms * MIN_PROMPT_SHARE) if idle else ms
+
+
+def fit_with_contention(points: list[tuple[Chunks, float, float, bool]], idle_ms: float
+                        ) -> tuple[tuple, float, float | None]:
+    """P's compute on cores it shares with D, from (prompts, ms, share of the time D was busy, whether they found P
+    idle): (the compute fit of the prompts computed with D quiet, back to back (one started idle counts less
+    `idle_ms`); the share by which a prompt's time grew per unit of the time D was busy, of prompts computed back to
+    back; the ms beyond the fit of a prompt P started idle while D was busy, None with too few of them).
+
+    Idle, P's caches fill with what D runs on the same machine, and its first step reloads them: on the 2-core dev
+    machine such a step took ~7-23 ms beyond the fit whatever its size (1.27x for ~60-100 ms prompts, 1.03x for
+    200+ ms ones), while one back to back with D busy took ~1.03-1.06x."""
+    quiet = [(chunks, back_to_back_ms(ms, idle, idle_ms)) for chunks, ms, busy, idle in points if busy < QUIET_SHARE]
+    base = fit_compute(quiet if len(quiet) >= MIN_FIT_SAMPLES else
+                       [(chunks, back_to_back_ms(ms, idle, idle_ms)) for chunks, ms, _, idle in points])
+    busy = [(ms, predict_compute(base, chunks), share, idle) for chunks, ms, share, idle in points
+            if share >= 1 - QUIET_SHARE and predict_compute(base, chunks) > 0]
+    queued = [(ms / fitted, share) for ms, fitted, share, idle in busy if not idle] or \
+             [(back_to_back_ms(ms, idle, idle_ms) / fitted, share) for ms, fitted, share, idle in busy]
+    growth = [(ratio - 1) / share for ratio, share in queued]
+    slowdown = float(np.clip(np.median(growth), 0.0, MAX_SLOWDOWN)) if growth else 0.0
+    woken = [ms - fitted for ms, fitted, _, idle in busy if idle]
+    busy_idle_ms = float(np.clip(np.median(woken), 0.0, MAX_IDLE_MS)) if len(woken) >= MIN_FIT_SAMPLES else None
+    return base, slowdown, busy_idle_ms
 
 
 def fit_decode_step(by_leg: Legs) -> tuple[tuple[float, float, float], float]:
@@ -261,10 +280,11 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     for run in runs:
         for kind, timed in start_up_samples(run).items():
             start_up.setdefault(kind, []).extend(timed)
-    # The fits are of steps back to back: a prompt its worker started idle counts at its time over the ratio.
-    idle_ratio = idle_step_ratio(measured["prefill"], start_up["prefill"])
-    samples = {kind: [(chunks, ms / (idle_ratio if idle else 1.0), busy) for chunks, ms, busy, idle in points]
-               for kind, points in measured.items()}
+    # The fits are of steps back to back: a prompt its worker started idle counts less what that cost.
+    idle_ms = idle_step_ms(measured["prefill"], start_up["prefill"])
+    samples = {kind: [(chunks, back_to_back_ms(ms, idle, idle_ms), busy) for chunks, ms, busy, idle in points]
+               for kind, points in measured.items() if kind != "prefill"}
+    prefill = measured["prefill"] + [(chunks, ms, busy, False) for chunks, ms, busy in start_up.pop("prefill")]
     # D's requests computed their prompts beside its running decodes; its start-up steps, alone, are fitted
     # instead when there are enough, and the simulation adds the decodes' step (decode_fit_alone).
     decode_fit_alone = len(start_up["decode"]) >= MIN_FIT_SAMPLES
@@ -272,12 +292,12 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         samples["decode"] = []
     for kind, timed in start_up.items():
         samples[kind] += timed
-    if len(samples["prefill"]) < MIN_FIT_SAMPLES:
+    if len(prefill) < MIN_FIT_SAMPLES:
         raise CalibrationError(f"too few requests with a measured prefill on a prefill worker to fit the compute "
                                f"time (need {MIN_FIT_SAMPLES}): run at least one P/D leg")
-    prefill_fit, slowdown = fit_with_contention(samples["prefill"])
+    prefill_fit, slowdown, busy_idle_ms = fit_with_contention(prefill, idle_ms)
     fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:2] for p in points]) for kind, points in samples.items()
-                                       if kind != "prefill" and len(points) >= MIN_FIT_SAMPLES}}
+                                       if len(points) >= MIN_FIT_SAMPLES}}
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
     if not per_token:
         raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional "
@@ -295,8 +315,10 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
     other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
-            "colocated_step_fit": colocated_step, "idle_step_ratio": idle_ratio,
+            "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms,
+            "busy_idle_step_ms": busy_idle_ms,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
-            "samples": {"requests": len(rows), **{kind: len(points) for kind, points in samples.items()}}}
+            "samples": {"requests": len(rows), "prefill": len(prefill),
+                        **{kind: len(points) for kind, points in samples.items()}}}

@@ -54,14 +54,16 @@ def break_even_history(calibration: Calibration, new_tokens: int, baseline: str,
     with `new_tokens` added, by the calibrated costs, for a turn that finds its worker idle; None if it never does
     up to MAX_HISTORY_TOKENS."""
     on_decode = candidate == "compute-on-D"
-    idle = calibration.idle_step_ratio
+
+    def idle(compute_ms: float) -> float:
+        return calibration.after_idle_ms(compute_ms, other_role_busy=False)
 
     def gain(history: int) -> float:
-        recompute = calibration.prefill_ms(new_tokens + history, 0) * idle + calibration.other(baseline)
+        recompute = idle(calibration.prefill_ms(new_tokens + history, 0)) + calibration.other(baseline)
         if on_decode:
-            reuse = calibration.prefill_ms(new_tokens, history, "decode") * idle
+            reuse = idle(calibration.prefill_ms(new_tokens, history, "decode"))
         else:
-            reuse = calibration.read_ms(history, "d_to_p") + calibration.prefill_ms(new_tokens, history) * idle
+            reuse = calibration.read_ms(history, "d_to_p") + idle(calibration.prefill_ms(new_tokens, history))
         return recompute - reuse - calibration.other(candidate)
 
     history = 16

@@ -186,15 +186,24 @@ class Simulation:
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
+    def other_role_busy(self, loop: StepLoop) -> bool:
+        """A worker of the other role is busy on the same cores; never for workers on their own hardware, or a
+        colocated worker alone."""
+        return self.shared_cores and any(worker.busy for worker in (self.decode if loop.kind == "prefill"
+                                                                    else self.prefill))
+
     def contention(self, loop: StepLoop) -> tuple[float, float]:
-        """(factor on prompt compute, ms added to a decode step) for a worker whose other role is busy on the
-        same cores; nothing for workers on their own hardware, or a colocated worker alone."""
-        if not self.shared_cores:
-            return 1.0, 0.0
-        others = self.decode if loop.kind == "prefill" else self.prefill
-        if not any(worker.busy for worker in others):
+        """(factor on prompt compute, ms added to a decode step) for a worker whose other role is busy."""
+        if not self.other_role_busy(loop):
             return 1.0, 0.0
         return 1.0 + self.calibration.contention["prefill_slowdown"], self.calibration.contention["decode_step_ms"]
+
+    def prompt_step_ms(self, loop: StepLoop, compute_ms: float, after_idle: bool) -> float:
+        """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: started after idling or
+        back to back, with the other role busy on the same cores or not."""
+        if after_idle:
+            return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
+        return compute_ms * self.contention(loop)[0]
 
     # ---- the event loop
     def at(self, time_s: float, action, *args) -> None:

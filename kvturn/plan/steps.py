@@ -122,7 +122,7 @@ class StepLoop:
             self.sim.at(end, self._end_segment, seg.version)
 
     def _step(self, after_idle: bool = False) -> None:
-        """The next step; `after_idle`: the first since the worker was idle (Calibration.idle_step_ratio)."""
+        """The next step; `after_idle`: the first since the worker was idle (Calibration.after_idle_ms)."""
         now = self.sim.now
         batch = len(self.decoding)
         while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
@@ -141,9 +141,6 @@ class StepLoop:
         # A decode fit of D's measured compute of prompts holds the decodes sharing their steps already.
         alone = self.kind != "decode" or self.sim.calibration.decode_fit_alone
         chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and alone else 0.0
-        slowdown = self.sim.contention(self)[0] if self.sim.shared_cores else 1.0
-        if after_idle:
-            slowdown *= self.sim.calibration.idle_step_ratio
         prompt_tokens = 0
         for job in self.prefilling:
             room = self.prefill_pack_tokens - prompt_tokens
@@ -153,7 +150,8 @@ class StepLoop:
             chunks.append((job, n))
             budget -= n
             prompt_tokens += n
-        ms += self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind) * slowdown
+        compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
+        ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
