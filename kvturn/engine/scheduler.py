@@ -27,11 +27,9 @@ class _Step:
         self.budget = budget
         self.prompt_tokens = 0
         self.batch: list[tuple[Sequence, int]] = []
-        self.scheduled: set[int] = set()  # id() of the sequences in the batch
 
     def take(self, seq: Sequence, num_new: int, in_prompt: bool) -> None:
         self.batch.append((seq, num_new))
-        self.scheduled.add(id(seq))
         seq.prompt_started = True
         self.budget -= num_new
         self.prompt_tokens += num_new if in_prompt else 0
@@ -87,8 +85,9 @@ class Scheduler:
             if num_new > 0:
                 step.take(seq, num_new, in_prompt=True)
         if started_reads and poll is not None:
+            before = {id(seq) for seq in self.running}
             poll()  # the reads just done move their sequences from `loading` to the end of `running`
-            self._take_running([seq for seq in self.running if id(seq) not in step.scheduled], step)
+            self._take_running([seq for seq in self.running if id(seq) not in before], step)
         return step.batch
 
     def _take_running(self, sequences: list[Sequence], step: "_Step") -> None:
