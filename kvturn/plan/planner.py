@@ -28,6 +28,8 @@ LEFT_OUT = (
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
     "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
     "router, HTTP and tokenization time as one constant per leg (its calibrated median), not a queue",
+    "a decode step's attention over the batch's longest context for every request (kvturn's engine pads to it): the "
+    "fit charges the sum of the contexts, less than that in batches of uneven histories",
 )
 
 
