@@ -76,14 +76,16 @@ class StepLoop:
         if job.decode_steps <= 0:
             self._finish(job, now)
             return
-        if self.segment is not None and self.segment.count > 1:
-            self._cut_segment()
+        running = self.busy
+        if running:
+            self._wake()  # a run of decode-only steps is cut at the step in progress, which the job joins after
         # The job's first decode step is the one after the steps now running: those are not its own.
         self._order += 1
         job.joined_step = self.steps + self.steps_in_flight
         heapq.heappush(self.decoding, (job.joined_step + job.decode_steps, self._order, job))
         self.context += job.prompt_tokens
-        self._wake()
+        if not running:
+            self._wake()
 
     def _finish(self, job: Job, now: float) -> None:
         self.in_flight -= 1
