@@ -15,7 +15,7 @@ MAX_SLOWDOWN = 3.0
 MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
 MAX_IDLE_MS = 1000.0  # what starting a step idle may add
 MAX_BATCHED_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a step's token budget (chunked prefill)
-MIN_PROMPT_SHARE = 0.25  # of a colocated prompt step's time, the least left to the prompts once the decodes' is out
+MIN_PROMPT_SHARE = 0.25  # of a measured prompt step, the least left once the decodes beside or starting idle are out
 
 
 class CalibrationError(ValueError):
@@ -179,8 +179,8 @@ def fit_with_contention(points: list[tuple[Chunks, float, float, bool]], idle_ms
     quiet = [(chunks, back_to_back_ms(ms, idle, idle_ms)) for chunks, ms, busy, idle in points if busy < QUIET_SHARE]
     base = fit_compute(quiet if len(quiet) >= MIN_FIT_SAMPLES else
                        [(chunks, back_to_back_ms(ms, idle, idle_ms)) for chunks, ms, _, idle in points])
-    busy = [(ms, predict_compute(base, chunks), share, idle) for chunks, ms, share, idle in points
-            if share >= 1 - QUIET_SHARE and predict_compute(base, chunks) > 0]
+    busy = [(ms, fitted, share, idle) for chunks, ms, share, idle in points
+            if share >= 1 - QUIET_SHARE and (fitted := predict_compute(base, chunks)) > 0]
     queued = [(ms / fitted, share) for ms, fitted, share, idle in busy if not idle] or \
              [(back_to_back_ms(ms, idle, idle_ms) / fitted, share) for ms, fitted, share, idle in busy]
     growth = [(ratio - 1) / share for ratio, share in queued]
