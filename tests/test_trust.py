@@ -626,3 +626,34 @@ def test_the_connect_back_header_makes_a_worker_call_only_a_caller_that_proved_t
     calls = fake.requests()
     assert [e["path"] for e in calls] == ["/kv/agent"]
     assert header(calls[0], SECRET_HEADER) == d.stack.cluster_secret
+
+
+@pytest.mark.parametrize("caller", [{}, {SECRET_HEADER: "not-the-cluster-secret-at-all"}], ids=["none", "wrong"])
+def test_a_workers_step_history_is_shown_only_to_a_caller_of_the_cluster(deployment, caller):
+    """When other clients' requests ran and how long they were is the cluster's to read, not a client's."""
+    reply = httpx.get(f"{deployment.prefill}/kv/steps", headers=caller, timeout=10)
+    assert reply.status_code == 403 and reply.json()["error"]["code"] == 403
+
+
+def test_the_step_history_lists_what_each_step_of_a_request_computed_since_the_time_asked(deployment):
+    """On the open worker (no secret: it trusts any caller, as for everything else): one prompt step from scratch,
+    then one decode step per token after the first, each attending to one token more."""
+    since = time.time()
+    prompt = f"{since} Count the steps, please: " + "step " * 300  # a prefix its cache has not seen
+    usage = ok(complete(deployment.colocated, prompt, max_tokens=3))["usage"]
+    reply = httpx.get(f"{deployment.colocated}/kv/steps", params={"since": since}, timeout=10).json()
+    assert reply["role"] == "both" and not reply["dropped"]
+    steps = reply["steps"]
+    prompt_tokens = usage["prompt_tokens"]
+    assert [step[3] for step in steps] == [[[prompt_tokens, 0]], [], []]
+    assert [step[4:] for step in steps[1:]] == [[1, prompt_tokens + n, prompt_tokens + n] for n in (1, 2)]
+    assert all(since <= step[0] <= time.time() and step[1] > 0 and step[2] > 0 for step in steps)
+    later = httpx.get(f"{deployment.colocated}/kv/steps", params={"since": time.time()}, timeout=10).json()
+    assert later["steps"] == []
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "yesterday", ""])
+def test_a_step_history_asked_since_no_finite_time_is_a_400(deployment, since):
+    reply = httpx.get(f"{deployment.prefill}/kv/steps", params={"since": since}, headers=deployment.secret,
+                      timeout=10)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "since"

@@ -19,6 +19,7 @@ from kvturn.engine.sampling import TokenLogprob
 from kvturn.engine.scheduler import Scheduler
 from kvturn.engine.sequence import Sequence
 from kvturn.engine.stats import EngineStats
+from kvturn.engine.step_history import StepHistory, step_record
 from kvturn.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
         self.step_seconds = 0.0  # forward passes so far: what a read that spans some waited for (connector)
+        self.steps = StepHistory()
         self.sequences: dict[str, Sequence] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -133,13 +135,14 @@ class LLMEngine:
         batch = self.scheduler.schedule(self._on_admit, self.connector.poll if self.connector else None)
         if not batch:
             return False
-        started = time.perf_counter()
+        started, started_wall, started_cpu = time.perf_counter(), time.time(), time.thread_time()
         for seq, _ in batch:
             if seq.timing.first_scheduled is None:
                 seq.timing.first_scheduled = started
         sampled = self.runner.run(batch)
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
+        self.steps.record(step_record(batch, started_wall, elapsed, time.thread_time() - started_cpu))
         prompt_tokens = sum(num_new for seq, num_new in batch if seq.num_output_tokens == 0)
         for seq, num_new in batch:
             if seq.num_output_tokens == 0:

@@ -2,6 +2,7 @@
 KV side channel for peers."""
 import asyncio
 import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -162,6 +163,19 @@ def create_app(config: WorkerConfig) -> FastAPI:
         """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request."""
         return {"role": config.role, "prefill_steps": worker.calibration}
 
+    @app.get("/kv/steps")
+    async def steps(request: Request):
+        """The forward steps run since `?since=` (epoch seconds): what each computed and how long it took, which
+        `kvturn bench` keeps for `kvturn plan` to calibrate from. Cluster members only: it tells when other
+        clients' requests ran and how long they were."""
+        if not side_channel.has_secret(request, secret):
+            worker.metrics.side_channel_refusals.inc()
+            return error_response(403, "wrong or missing cluster secret")
+        since = finite_number(request.query_params.get("since", "0"), "since")
+        kept, dropped = await worker.async_engine.call(lambda: worker.engine.steps.since(since))
+        return Response(orjson.dumps({"role": config.role, "steps": [s.public() for s in kept], "dropped": dropped}),
+                        media_type="application/json")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": worker.model_name, "object": "model", "created": 0,
@@ -218,6 +232,16 @@ def create_app(config: WorkerConfig) -> FastAPI:
     side_channel.mount(app, worker.connector, secret, worker.metrics.side_channel_refusals.inc,
                        worker.async_engine.call, worker.connect_back)
     return app
+
+
+def finite_number(text: str, param: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise BadRequest(f"{param} must be a finite number, got {text[:40]!r}", param=param)
+    return value
 
 
 async def _until_disconnect(outputs, request: Request):
