@@ -85,11 +85,13 @@ class RunResult:
     runtime_s: float = 0.0
     # role -> the prefill steps its worker timed at start-up (its /kv/calibration), when the bench launched it
     worker_calibration: dict[str, list] = field(default_factory=dict)
+    # role -> the forward steps its worker ran during the run (its /kv/steps), when the bench launched it
+    worker_steps: dict[str, list] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
-                "worker_calibration": self.worker_calibration}
+                "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps}
 
 
 class RateLimiter:

@@ -5,6 +5,7 @@ each P/D leg with prefix caching on P on (production baseline) and off (cache-mi
 as in vLLM's published run). Scenarios add the cases where reuse cannot or should not help.
 """
 import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from kvturn.bench import client, workload
 from kvturn.bench.report import longest_request, ttft_at
+from kvturn.kv_transfer import side_channel
 from kvturn.launch import LocalStack
 
 
@@ -121,6 +123,22 @@ def worker_calibration(stack: LocalStack) -> dict[str, list]:
     return steps
 
 
+def worker_steps(stack: LocalStack, since_s: float) -> dict[str, list]:
+    """Each worker's forward steps since `since_s` (GET /kv/steps), by role: `kvturn plan` fits its step costs to
+    them. A worker that does not answer, or dropped steps of the span, is left out."""
+    steps = {}
+    for name, url in stack.urls.items():
+        if name != "router":
+            try:
+                reply = httpx.get(f"{url}/kv/steps", params={"since": since_s}, timeout=30,
+                                  headers={side_channel.SECRET_HEADER: stack.cluster_secret}).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if isinstance(reply, dict) and isinstance(reply.get("steps"), list) and not reply.get("dropped"):
+                steps.setdefault(reply.get("role") or name, reply["steps"])
+    return steps
+
+
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
              log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
              pin_workers: bool = False) -> dict:
@@ -135,9 +153,11 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
                            log_dir=log_dir / name.replace("/", "_"), pin_workers=pin_workers)
         with stack:
             warm_up(stack.url, source)
+            started_s = time.time()
             results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
                                                    seed=seed))
             results[name].worker_calibration = worker_calibration(stack)
+            results[name].worker_steps = worker_steps(stack, started_s)
         failed = sum(1 for r in results[name].requests if r.error)
         console.print(f"  {len(results[name].requests)} requests, {failed} failed, {results[name].runtime_s:.1f} s")
     return results
