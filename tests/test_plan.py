@@ -191,6 +191,79 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
         calibration.load_many([paths[0], tmp_path / "empty.json"])
 
 
+PROMPT_FIT = (12.0, 0.10, 0.09, 0.08)  # the steps below cost exactly this (a, b, c, q) on P
+DECODE_STEP = (1.0, 0.5, 3.5)  # ...and D's decode steps a + b batch + k batch x longest context / 1e3
+
+
+def worker_steps(prompt_scale: float, step: tuple[float, float, float], start_s: float, prompts: bool,
+                 decodes_beside: bool) -> list:
+    """A worker's /kv/steps of one leg: prompt steps of known cost (every other one beside two decodes when
+    `decodes_beside`), then decode-only steps of batches 1-4, as they ran one after another."""
+    a, b, k = step
+    shapes = [(4000, 0), (900, 0), (2500, 0), (300, 4400), (120, 2000), (350, 7000), (60, 900), (200, 3000)]
+    steps, now = [], start_s
+    for i, (n, context) in enumerate(shapes if prompts else []):
+        decodes, longest = (2, 3000) if decodes_beside and i % 2 else (0, 0)
+        ms = prompt_scale * replace_fits(PROMPT_FIT).prefill_ms(n, context)
+        ms += a + b * decodes + k * decodes * longest / 1e3 if decodes else 0.0
+        steps.append([now, ms, ms, [[n, context]], decodes, 2 * longest - 500 if decodes else 0, longest])
+        now += ms / 1e3 + 0.5
+    for i, batch in enumerate((1, 2, 3, 4) * 6):
+        longest = 2500 + 700 * (i % 5)
+        ms = a + b * batch + k * batch * longest / 1e3
+        steps.append([now, ms, ms, [], batch, batch * longest - 100 * (batch - 1), longest])
+        now += ms / 1e3 + 0.01
+    return steps
+
+
+def replace_fits(coefficients) -> calibration.Calibration:
+    """A calibration whose every kind computes prompts at `coefficients` (for its step_prefill_ms)."""
+    return calibration.Calibration({"prefill": coefficients}, (0.0, 0.0, 0.0), {}, {}, 0.0, {})
+
+
+def with_worker_steps(results: dict) -> dict:
+    """The fixture's bench run as a bench that keeps each worker's steps in service records it: P at PROMPT_FIT, D's
+    prompts (compute-on-D) at 0.8 of it, a colocated worker's at half; D's decode steps at DECODE_STEP, a colocated
+    worker's at half of it."""
+    half_step = tuple(c / 2 for c in DECODE_STEP)
+    for leg, run in results["legs"].items():
+        if LEGS[leg].mode == "colocated":
+            run["worker_steps"] = {"both": worker_steps(0.5, half_step, 1000.0, True, True)}
+        else:
+            run["worker_steps"] = {"prefill": worker_steps(1.0, DECODE_STEP, 1000.0, True, False)[:8],
+                                   "decode": worker_steps(0.8, DECODE_STEP, 2000.0, leg == "compute-on-D", True)}
+    return results
+
+
+def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost_model):
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    results["legs"]["pd/P-cache-on"]["worker_steps"]["prefill"] += [
+        "junk", [1.0, 2.0], [1.0, float("nan"), 1.0, [[10, 0]], 0, 0, 0], [1.0, 5.0, 5.0, [[0, 10]], 0, 0, 0],
+        [1.0, 5.0, 5.0, [[10, -1]], 0, 0, 0], [1.0, 5.0, 5.0, [], 2, 0, 0], [1.0, 5.0, 5.0, [[True, 0]], 0, 0, 0],
+        [1.0, 5.0, 5.0, [], 2, 100, 40], [1.0, 5.0, 5.0, [], 2, 100, 101]]  # longest x batch short of, or past, all
+    stepped = calibration.Calibration(**fit.fitted(results))
+    for n, context in ((4000, 0), (300, 4400), (60, 900)):
+        expected = replace_fits(PROMPT_FIT).prefill_ms(n, context)
+        assert stepped.prefill_ms(n, context) == pytest.approx(expected, rel=1e-3)
+        assert stepped.prefill_ms(n, context, "decode") == pytest.approx(0.8 * expected, rel=1e-3)
+        assert stepped.prefill_ms(n, context, "colocated") == pytest.approx(0.5 * expected, rel=1e-3)
+    assert stepped.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3) and stepped.decode_step_padded
+    assert stepped.step_fit("colocated") == pytest.approx(tuple(c / 2 for c in DECODE_STEP), rel=1e-3)
+    # What beside the other role and after idling cost is in the steps themselves, as the run saw it.
+    assert stepped.contention["prefill_slowdown"] == 0 and stepped.idle_step_ms == stepped.busy_idle_step_ms == 0
+    p_legs = sum(LEGS[leg].mode != "colocated" for leg in results["legs"])
+    assert stepped.decode_fit_alone and stepped.samples["prefill"] == 8 * p_legs  # the junk is left out
+    # What steps do not say still comes from the requests.
+    assert stepped.other_ms == cost_model.other_ms and stepped.read_ms_per_mib == cost_model.read_ms_per_mib
+
+
+def test_a_bench_run_with_too_few_steps_in_service_calibrates_from_its_requests(cost_model):
+    results = json.loads(FIXTURE.read_text())
+    for run in results["legs"].values():
+        run["worker_steps"] = {"prefill": worker_steps(1.0, DECODE_STEP, 1000.0, True, False)[:1]}
+    assert replace(calibration.Calibration(**fit.fitted(results)), source=cost_model.source) == cost_model
+
+
 def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():
     def row(conversation: str, start_ms: float, tokens: int, compute_ms: float) -> Row:
         return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, tokens, 8, 6.0,
@@ -341,10 +414,29 @@ def test_a_request_joining_running_decodes_takes_every_one_of_its_own_steps(cost
         job = Job(0, 2000, steps, on_finished=lambda job, now, name=name: finished.setdefault(name, now))
         sim.at(at_s, decode.submit_decode, job)
     sim.run()
-    fewest_ms = decode._segment_ms(20, 2, 4000)  # the two contexts add up to 4000-4800 tokens meanwhile
-    most_ms = decode._segment_ms(1, 1, 2400) + decode._segment_ms(20, 2, 4800)  # with the step in progress
+    # the two contexts add up to 4000-4800 tokens meanwhile, the longest 2000-2400
+    fewest_ms = decode._segment_ms(20, 2, 4000, 2000)
+    most_ms = decode._segment_ms(1, 1, 2400, 2400) + decode._segment_ms(20, 2, 4800, 2400)  # with the step in progress
     assert fewest_ms / 1e3 <= finished["short"] - 0.5 <= most_ms / 1e3
     assert finished["long"] > finished["short"]
+
+
+def test_a_padded_decode_step_costs_the_batch_times_its_longest_context_until_the_longest_finishes(cost_model):
+    # A long history (8000 tokens, 50 steps) and a short one (1000, 200 steps) decode together: while both run,
+    # every step attends to 2 x the longest; after the long one finishes, the short one's own context alone.
+    padded = replace(cost_model, decode_step_fit=(1.0, 0.5, 2.0), decode_step_padded=True)
+    sim = Simulation(Workload("none", [], None), LEGS["pd/P-cache-off"], Deployment(), padded)
+    decode, finished = sim.decode[0], {}
+    for name, prompt, steps in (("long", 8000, 50), ("short", 1000, 200)):
+        job = Job(0, prompt, steps, on_finished=lambda job, now, name=name: finished.setdefault(name, now))
+        sim.at(0.0, decode.submit_decode, job)
+    sim.run()
+    # The short one joins after the long one's first step, shares 49 steps with it, then takes 151 alone.
+    steps_ms = padded.decode_steps_ms
+    alone, together = steps_ms("decode", 1, 1, 8000, 8000), steps_ms("decode", 49, 2, 9001, 8001)
+    assert finished["long"] == pytest.approx((alone + together) / 1e3)
+    assert finished["short"] == pytest.approx((alone + together + steps_ms("decode", 151, 1, 1049, 1049)) / 1e3)
+    assert together > replace(padded, decode_step_padded=False).decode_steps_ms("decode", 49, 2, 9001, 8001)
 
 
 def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):

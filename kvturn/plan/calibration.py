@@ -21,7 +21,9 @@ class Calibration:
     # ComputeFit), per kind of worker: "prefill" (P, its core shared with D), "decode" (D, beside its running
     # decodes), "colocated"
     compute_fits: dict[str, tuple[float, float, float, float]]
-    decode_step_fit: tuple[float, float, float]  # ms of one decode step = a + b batch + k context tokens / 1e3
+    # ms of one decode step = a + b batch + k context tokens / 1e3, the context being the tokens the batch attends
+    # to, or with decode_step_padded the batch times its longest context (kvturn's engine pads to it)
+    decode_step_fit: tuple[float, float, float]
     # workers sharing cores (one host): "prefill_slowdown", the share by which a prompt's compute grows while the
     # other role is busy, and "decode_step_ms", what a decode step gains while a prefill runs
     contention: dict[str, float]
@@ -40,6 +42,7 @@ class Calibration:
     # ...and this many when the other role is busy on the same cores (one host); None, as saved before it was
     # fitted: (the fit's time + idle_step_ms) x (1 + prefill_slowdown)
     busy_idle_step_ms: float | None = None
+    decode_step_padded: bool = False  # fitted to the workers' decode steps in service, which say the longest context
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -69,6 +72,13 @@ class Calibration:
         if worker == "colocated" and self.colocated_step_fit is not None:
             return self.colocated_step_fit
         return self.decode_step_fit
+
+    def decode_steps_ms(self, worker: str, count: int, batch: int, context: int, longest: int) -> float:
+        """`count` decode steps of `worker` running `batch` requests that attend to `context` tokens in all, the
+        longest to `longest`; every request attends to one token more each step."""
+        a, b, k = self.step_fit(worker)
+        attended = batch * longest if self.decode_step_padded else context
+        return count * (a + b * batch) + k * (count * attended + batch * count * (count - 1) / 2) / 1e3
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]

@@ -5,6 +5,7 @@ import numpy as np
 
 from kvturn.bench.compare import LEGS
 from kvturn.config import EngineConfig, default_of
+from kvturn.plan import step_samples
 from kvturn.plan.rows import Row, after_idle, busy_share, decode_interval, prefill_interval, rows_of
 from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq, relative_nonnegative_fit
 
@@ -274,6 +275,61 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         for row in run_rows:
             legs.setdefault(row.leg, []).append(row)
         by_leg += legs.items()
+    in_service = step_fits([step_samples.leg_steps(leg) for run in runs for leg in (run.get("legs") or {}).values()])
+    fits = _request_fits(runs, by_leg) if in_service is None else in_service
+    per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
+    if not per_token:
+        raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional "
+                               "transfer (e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
+    # As the router learns it: from reads no step of P's overlapped (the others waited for other prompts' work).
+    reads = [r for r in rows if r.bytes_d_to_p]
+    clean = [r for r in reads if not r.d_to_p_step_ms]
+    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
+    p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
+    quiet: dict[str, list[float]] = {}
+    every: dict[str, list[float]] = {}
+    for leg, leg_rows in by_leg:  # requests alone in any run; a leg with none in every run takes all its requests
+        quiet.setdefault(leg, []).extend(r.other_ms for r in leg_rows if _alone(r, leg_rows))
+        every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
+    other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
+    return {**fits, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
+            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
+            "samples": {"requests": len(rows), **fits["samples"]}}
+
+
+def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
+    """The compute and decode step fits from the workers' steps in service (step_samples.py), or None when the
+    runs did not keep enough of them (results of an older bench, or a worker that did not answer): every prompt
+    step of a kind in one fit, the decodes beside a prompt taken out by that kind's decode step fit, so a
+    simulated step costs its prompts' compute plus its decodes' step. The slowdown beside the other role and the
+    cost of starting idle are left at zero: on the dev machine P's steps with D decoding, or started idle, came
+    within 4% of the fit of all of them."""
+    samples = step_samples.collect(legs)
+    if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
+        return None
+    decode_step, contention = step_samples.fit_decode_steps(samples.decodes["decode"])
+    colocated = samples.decodes["colocated"]
+    colocated_step = step_samples.fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    own_step = {"prefill": None, "decode": decode_step, "colocated": colocated_step or decode_step}
+    prompts = {kind: [(chunks, step_samples.prompt_ms(step, own_step[kind])) for chunks, step in points]
+               for kind, points in samples.prompts.items()}
+    fits = {"prefill": fit_compute(prompts["prefill"])}
+    if len(prompts["colocated"]) >= MIN_FIT_SAMPLES:
+        fits["colocated"] = fit_compute(prompts["colocated"])
+    if prompts["decode"]:
+        # D is the same engine on cores of its own, and computes only the later turns of one leg: too few shapes
+        # to fit four terms, so they scale P's fit.
+        scale = float(np.median([ms / predict_compute(fits["prefill"], chunks) for chunks, ms in prompts["decode"]]))
+        fits["decode"] = tuple(c * scale for c in fits["prefill"])
+    return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
+            "decode_step_padded": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0, "busy_idle_step_ms": 0.0,
+            "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
+            "samples": {"steps": samples.count(), **{kind: len(points) for kind, points in samples.prompts.items()}}}
+
+
+def _request_fits(runs: list[dict], by_leg: Legs) -> dict:
+    """The compute and decode step fits from the requests' timings and the workers' start-up steps, for bench
+    results that kept no steps in service."""
     colocated_step = fit_colocated_step(by_leg)
     measured = compute_samples(by_leg, colocated_step)
     start_up: dict[str, list] = {}
@@ -298,27 +354,8 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     prefill_fit, slowdown, busy_idle_ms = fit_with_contention(prefill, idle_ms)
     fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:2] for p in points]) for kind, points in samples.items()
                                        if len(points) >= MIN_FIT_SAMPLES}}
-    per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
-    if not per_token:
-        raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional "
-                               "transfer (e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
-    # As the router learns it: from reads no step of P's overlapped (the others waited for other prompts' work).
-    reads = [r for r in rows if r.bytes_d_to_p]
-    clean = [r for r in reads if not r.d_to_p_step_ms]
-    d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
-    p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     step_fit, step_contention = fit_decode_step(by_leg)
-    quiet: dict[str, list[float]] = {}
-    every: dict[str, list[float]] = {}
-    for leg, leg_rows in by_leg:  # requests alone in any run; a leg with none in every run takes all its requests
-        quiet.setdefault(leg, []).extend(r.other_ms for r in leg_rows if _alone(r, leg_rows))
-        every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
-    other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
     return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
-            "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms,
-            "busy_idle_step_ms": busy_idle_ms,
+            "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms, "busy_idle_step_ms": busy_idle_ms,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
-            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
-            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
-            "samples": {"requests": len(rows), "prefill": len(prefill),
-                        **{kind: len(points) for kind, points in samples.items()}}}
+            "samples": {"prefill": len(prefill), **{kind: len(points) for kind, points in samples.items()}}}

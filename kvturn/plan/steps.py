@@ -39,6 +39,7 @@ class Segment:
     count: int
     batch: int
     context: int
+    longest: int
     version: int
 
 
@@ -55,6 +56,8 @@ class StepLoop:
     decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
     steps: int = 0
     context: int = 0  # tokens of KV the decoding requests attend to
+    # the decoding requests' longest (prompt tokens - the step they joined at): the longest context is this + steps
+    longest_base: int = 0
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     steps_in_flight: int = 0  # decode steps the step or segment now running adds to `steps` when it ends
@@ -84,6 +87,8 @@ class StepLoop:
         job.joined_step = self.steps + self.steps_in_flight
         heapq.heappush(self.decoding, (job.joined_step + job.decode_steps, self._order, job))
         self.context += job.prompt_tokens
+        self.longest_base = max(self.longest_base, job.prompt_tokens - job.joined_step) if len(self.decoding) > 1 \
+            else job.prompt_tokens - job.joined_step
         if not running:
             self._wake()
 
@@ -99,12 +104,15 @@ class StepLoop:
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 
-    def _segment_ms(self, count: int, batch: int, context: int) -> float:
-        """`count` decode steps of `batch` requests; the context grows by `batch` tokens a step."""
-        a, b, k = self.sim.calibration.step_fit(self.kind)
-        if self.sim.shared_cores:
-            a += self.sim.contention(self)[1]
-        return count * (a + b * batch) + k * (count * context + batch * count * (count - 1) / 2) / 1e3
+    @property
+    def longest(self) -> int:
+        """The longest context a decoding request attends to now."""
+        return self.longest_base + self.steps if self.decoding else 0
+
+    def _segment_ms(self, count: int, batch: int, context: int, longest: int) -> float:
+        """`count` decode steps of `batch` requests; each request's context grows by a token a step."""
+        ms = self.sim.calibration.decode_steps_ms(self.kind, count, batch, context, longest)
+        return ms + count * self.sim.contention(self)[1] if self.sim.shared_cores else ms
 
     def _cut_segment(self) -> None:
         seg = self.segment
@@ -112,7 +120,7 @@ class StepLoop:
         low, high = 1, seg.count  # the first step count whose end is not before now
         while low < high:
             mid = (low + high) // 2
-            if self._segment_ms(mid, seg.batch, seg.context) < elapsed_ms:
+            if self._segment_ms(mid, seg.batch, seg.context, seg.longest) < elapsed_ms:
                 low = mid + 1
             else:
                 high = mid
@@ -120,7 +128,7 @@ class StepLoop:
             self._versions += 1
             seg.count, seg.version = low, self._versions
             self.steps_in_flight = low
-            end = seg.start_s + self._segment_ms(low, seg.batch, seg.context) / 1e3
+            end = seg.start_s + self._segment_ms(low, seg.batch, seg.context, seg.longest) / 1e3
             self.sim.at(end, self._end_segment, seg.version)
 
     def _step(self, after_idle: bool = False) -> None:
@@ -132,9 +140,11 @@ class StepLoop:
         if not self.prefilling and batch:
             count = self.decoding[0][0] - self.steps
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
-            self.segment = Segment(now, count, batch, self.context, self._versions)
+            longest = self.longest
+            self.segment = Segment(now, count, batch, self.context, longest, self._versions)
             self.steps_in_flight = count
-            self.sim.at(now + self._segment_ms(count, batch, self.context) / 1e3, self._end_segment, self._versions)
+            self.sim.at(now + self._segment_ms(count, batch, self.context, longest) / 1e3, self._end_segment,
+                        self._versions)
             return
         if not self.prefilling:
             self.busy = False
@@ -142,7 +152,7 @@ class StepLoop:
         budget = self.max_num_batched_tokens - batch
         # A decode fit of D's measured compute of prompts holds the decodes sharing their steps already.
         alone = self.kind != "decode" or self.sim.calibration.decode_fit_alone
-        chunks, ms = [], self._segment_ms(1, batch, self.context) if batch and alone else 0.0
+        chunks, ms = [], self._segment_ms(1, batch, self.context, self.longest) if batch and alone else 0.0
         prompt_tokens = 0
         for job in self.prefilling:
             room = self.prefill_pack_tokens - prompt_tokens
@@ -189,7 +199,12 @@ class StepLoop:
         self.steps += count
         self.steps_in_flight = 0
         self.context += count * batch
+        finished = []
         while self.decoding and self.decoding[0][0] <= self.steps:
             _, _, job = heapq.heappop(self.decoding)
             self.context -= job.prompt_tokens + (self.steps - job.joined_step)
+            finished.append(job)
+        if finished:
+            self.longest_base = max((job.prompt_tokens - job.joined_step for _, _, job in self.decoding), default=0)
+        for job in finished:
             self._finish(job, now)
