@@ -82,6 +82,7 @@ def worker(
     prefill_pack_tokens: int = option(EngineConfig, "prefill_pack_tokens"),
     max_model_len: Optional[int] = option(EngineConfig, "max_model_len"),
     dtype: str = option(EngineConfig, "dtype"),
+    step_history_steps: int = option(EngineConfig, "step_history_steps"),
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
     kv_pin_timeout_s: float = option(ConnectorConfig, "kv_pin_timeout_s"),
@@ -100,7 +101,7 @@ def worker(
     engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    prefill_pack_tokens=prefill_pack_tokens, max_model_len=max_model_len,
-                   enable_prefix_caching=prefix_caching, dtype=dtype)
+                   enable_prefix_caching=prefix_caching, dtype=dtype, step_history_steps=step_history_steps)
     connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                       decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,

@@ -61,10 +61,12 @@ class EngineConfig:
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
+    step_history_steps: int = setting(20_000, "forward steps kept for /kv/steps (kvturn plan's calibration; "
+                                              "~150 bytes each)")
 
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                  "prefill_pack_tokens", "max_model_len")
+                  "prefill_pack_tokens", "max_model_len", "step_history_steps")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
                                                                   f"got {self.dtype!r}")
 

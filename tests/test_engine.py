@@ -7,6 +7,7 @@ from kvturn.config import EngineConfig
 from kvturn.engine.llm import LLM
 from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import Sequence
+from kvturn.engine.step_history import StepHistory, StepRecord, since, step_record
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [37, 130, 5, 64, 200, 17, 48, 91]
@@ -225,3 +226,31 @@ def test_start_up_calibration_times_what_the_pool_holds_within_its_budget(tiny_m
     with open(calibration.LOCK, "a") as neighbour:  # a worker stopped while it held the lock
         fcntl.flock(neighbour, fcntl.LOCK_EX)
         assert [s["new_tokens"] for s in calibration.time_prefill_steps(llm.engine)] == [512]
+
+
+def step(started_s: float) -> StepRecord:
+    return StepRecord(started_s, 1.0, 1.0, ((32, 0),), 0, 0, 0)
+
+
+def test_the_step_history_says_a_span_lost_steps_only_when_one_of_it_was_dropped():
+    history = StepHistory(3)
+    for started_s in (1.0, 2.0, 3.0):
+        history.record(step(started_s))
+    assert since(history.snapshot(), 1.0) == ([step(1.0), step(2.0), step(3.0)], False)  # full, nothing dropped
+    history.record(step(4.0))  # drops the step of 1.0
+    assert since(history.snapshot(), 1.5) == ([step(2.0), step(3.0), step(4.0)], False)
+    assert since(history.snapshot(), 1.0) == ([step(2.0), step(3.0), step(4.0)], True)
+
+
+def test_a_step_record_splits_prompts_from_decodes_as_the_model_runner_does():
+    # A preempted sequence that recomputes its output with its prompt is a prompt chunk, not a decode of that
+    # length; a decode's context is the KV it attends to before the step.
+    prompt, recomputing, decoding = (Sequence(f"s{i}", list(range(3, 103)), GREEDY) for i in range(3))
+    recomputing.token_ids += [5, 6]
+    recomputing.num_computed_tokens = 0
+    decoding.token_ids += [7]
+    decoding.num_computed_tokens = 100
+    record = step_record([(prompt, 64), (recomputing, 102), (decoding, 1)], 10.0, 0.002, 0.0015)
+    assert record.prompts == ((64, 0), (102, 0))
+    assert (record.decodes, record.decode_context, record.decode_longest) == (1, 100, 100)
+    assert (record.started_s, record.ms, record.cpu_ms) == (10.0, 2.0, 1.5)

@@ -637,17 +637,17 @@ def test_a_workers_step_history_is_shown_only_to_a_caller_of_the_cluster(deploym
 
 def test_the_step_history_lists_what_each_step_of_a_request_computed_since_the_time_asked(deployment):
     """On the open worker (no secret: it trusts any caller, as for everything else): one prompt step from scratch,
-    then one decode step per token after the first, each attending to one token more."""
+    then one decode step per token after the first, each on one token more of KV."""
     since = time.time()
     prompt = f"{since} Count the steps, please: " + "step " * 300  # a prefix its cache has not seen
-    usage = ok(complete(deployment.colocated, prompt, max_tokens=3))["usage"]
+    prompt_tokens = ok(complete(deployment.colocated, prompt, max_tokens=3))["usage"]["prompt_tokens"]
     reply = httpx.get(f"{deployment.colocated}/kv/steps", params={"since": since}, timeout=10).json()
-    assert reply["role"] == "both" and not reply["dropped"]
+    assert reply["role"] == "both" and reply["dropped"] is False
     steps = reply["steps"]
-    prompt_tokens = usage["prompt_tokens"]
-    assert [step[3] for step in steps] == [[[prompt_tokens, 0]], [], []]
-    assert [step[4:] for step in steps[1:]] == [[1, prompt_tokens + n, prompt_tokens + n] for n in (1, 2)]
-    assert all(since <= step[0] <= time.time() and step[1] > 0 and step[2] > 0 for step in steps)
+    assert [step["prompts"] for step in steps] == [[[prompt_tokens, 0]], [], []]
+    assert [(s["decodes"], s["decode_context"], s["decode_longest"]) for s in steps] == \
+        [(0, 0, 0), (1, prompt_tokens, prompt_tokens), (1, prompt_tokens + 1, prompt_tokens + 1)]
+    assert all(since <= step["start_s"] <= time.time() and step["ms"] > 0 and step["cpu_ms"] > 0 for step in steps)
     later = httpx.get(f"{deployment.colocated}/kv/steps", params={"since": time.time()}, timeout=10).json()
     assert later["steps"] == []
 

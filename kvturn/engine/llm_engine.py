@@ -72,7 +72,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.stats = EngineStats()
         self.step_seconds = 0.0  # forward passes so far: what a read that spans some waited for (connector)
-        self.steps = StepHistory()
+        self.steps = StepHistory(config.step_history_steps)
         self.sequences: dict[str, Sequence] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
 

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from kvturn.config import WorkerConfig
+from kvturn.engine import step_history
 from kvturn.engine.sequence import Sequence
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
 from kvturn.kv_transfer import side_channel
@@ -171,8 +172,10 @@ def create_app(config: WorkerConfig) -> FastAPI:
         if not side_channel.has_secret(request, secret):
             worker.metrics.side_channel_refusals.inc()
             return error_response(403, "wrong or missing cluster secret")
-        since = finite_number(request.query_params.get("since", "0"), "since")
-        kept, dropped = await worker.async_engine.call(lambda: worker.engine.steps.since(since))
+        started_s = finite_number(request.query_params.get("since", "0"), "since")
+        if not worker.async_engine.alive:
+            return error_response(503, "engine is not running")
+        kept, dropped = step_history.since(await worker.async_engine.call(worker.engine.steps.snapshot), started_s)
         return Response(orjson.dumps({"role": config.role, "steps": [s.public() for s in kept], "dropped": dropped}),
                         media_type="application/json")
 
