@@ -15,6 +15,7 @@ from kvturn.plan import calibration, fit, planner, report, trace
 from kvturn.plan.predict import simulate
 from kvturn.plan.rows import Row
 from kvturn.plan.sim import Deployment, RouterPool, Simulation
+from kvturn.plan.step_samples import Step, parse_step
 from kvturn.plan.steps import Job
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
 
@@ -195,6 +196,12 @@ PROMPT_FIT = (12.0, 0.10, 0.09, 0.08)  # the steps below cost exactly this (a, b
 DECODE_STEP = (1.0, 0.5, 3.5)  # ...and D's decode steps a + b batch + k batch x longest context / 1e3
 
 
+def served_step(start_s: float, ms: float, prompts: list, decodes: int = 0, context: int = 0, longest: int = 0) -> dict:
+    """One step as a worker's /kv/steps lists it."""
+    return {"start_s": start_s, "ms": ms, "cpu_ms": ms, "prompts": prompts, "decodes": decodes,
+            "decode_context": context, "decode_longest": longest}
+
+
 def worker_steps(prompt_scale: float, step: tuple[float, float, float], start_s: float, prompts: bool,
                  decodes_beside: bool) -> list:
     """A worker's /kv/steps of one leg: prompt steps of known cost (every other one beside two decodes when
@@ -206,12 +213,12 @@ def worker_steps(prompt_scale: float, step: tuple[float, float, float], start_s:
         decodes, longest = (2, 3000) if decodes_beside and i % 2 else (0, 0)
         ms = prompt_scale * replace_fits(PROMPT_FIT).prefill_ms(n, context)
         ms += a + b * decodes + k * decodes * longest / 1e3 if decodes else 0.0
-        steps.append([now, ms, ms, [[n, context]], decodes, 2 * longest - 500 if decodes else 0, longest])
+        steps.append(served_step(now, ms, [[n, context]], decodes, 2 * longest - 500 if decodes else 0, longest))
         now += ms / 1e3 + 0.5
     for i, batch in enumerate((1, 2, 3, 4) * 6):
         longest = 2500 + 700 * (i % 5)
         ms = a + b * batch + k * batch * longest / 1e3
-        steps.append([now, ms, ms, [], batch, batch * longest - 100 * (batch - 1), longest])
+        steps.append(served_step(now, ms, [], batch, batch * longest - 100 * (batch - 1), longest))
         now += ms / 1e3 + 0.01
     return steps
 
@@ -235,12 +242,26 @@ def with_worker_steps(results: dict) -> dict:
     return results
 
 
-def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost_model):
+JUNK_STEPS = ["junk", [1.0, 2.0], {"start_s": 1.0}, served_step(float("nan"), 5.0, [[10, 0]]),
+              served_step(10**400, 5.0, [[10, 0]]), served_step(1.0, 5e-324, [], 1, 10, 10),
+              served_step(1.0, 5.0, [[1, 10]]), served_step(1.0, 5.0, [[10, -1]]), served_step(1.0, 5.0, [[True, 0]]),
+              served_step(1.0, 5.0, [], True, 10, 10), served_step(1.0, 5.0, [], 2, 0, 0),
+              served_step(1.0, 5.0, [], 2, 100, 40), served_step(1.0, 5.0, [], 2, 100, 101),
+              served_step(1.0, 5.0, [], 1, 2**30, 2**30), {**served_step(1.0, 5.0, [], 1, 10, 10), "cpu_ms": "fast"}]
+
+
+def test_a_step_in_service_that_is_not_a_plausible_one_is_left_out():
+    # Not a dict; missing fields; a NaN or overflowing start; a time too short for its tokens; a one-token prompt
+    # chunk (the engine runs that as a decode); a negative or boolean count; decodes with no context, or a longest
+    # context that the batch's total is short of or below; a context past any model's; a CPU time not a number.
+    assert [parse_step(raw) for raw in JUNK_STEPS] == [None] * len(JUNK_STEPS)
+    assert parse_step(served_step(1.0, 5.0, [[10, 0]], 2, 150, 100)) == Step(1.0, 5.0, ((10, 0),), 2, 150, 100)
+
+
+def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost_model, tmp_path):
     results = with_worker_steps(json.loads(FIXTURE.read_text()))
-    results["legs"]["pd/P-cache-on"]["worker_steps"]["prefill"] += [
-        "junk", [1.0, 2.0], [1.0, float("nan"), 1.0, [[10, 0]], 0, 0, 0], [1.0, 5.0, 5.0, [[0, 10]], 0, 0, 0],
-        [1.0, 5.0, 5.0, [[10, -1]], 0, 0, 0], [1.0, 5.0, 5.0, [], 2, 0, 0], [1.0, 5.0, 5.0, [[True, 0]], 0, 0, 0],
-        [1.0, 5.0, 5.0, [], 2, 100, 40], [1.0, 5.0, 5.0, [], 2, 100, 101]]  # longest x batch short of, or past, all
+    results["legs"]["pd/P-cache-on"]["worker_steps"]["decode"] += JUNK_STEPS
+    results["legs"]["pd/P-cache-on"]["worker_steps"]["prefill"] += JUNK_STEPS
     stepped = calibration.Calibration(**fit.fitted(results))
     for n, context in ((4000, 0), (300, 4400), (60, 900)):
         expected = replace_fits(PROMPT_FIT).prefill_ms(n, context)
@@ -255,13 +276,51 @@ def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost
     assert stepped.decode_fit_alone and stepped.samples["prefill"] == 8 * p_legs  # the junk is left out
     # What steps do not say still comes from the requests.
     assert stepped.other_ms == cost_model.other_ms and stepped.read_ms_per_mib == cost_model.read_ms_per_mib
+    assert calibration.load(stepped.save(tmp_path / "stepped.json")) == stepped
 
 
-def test_a_bench_run_with_too_few_steps_in_service_calibrates_from_its_requests(cost_model):
-    results = json.loads(FIXTURE.read_text())
-    for run in results["legs"].values():
-        run["worker_steps"] = {"prefill": worker_steps(1.0, DECODE_STEP, 1000.0, True, False)[:1]}
+def test_a_saved_calibration_says_its_decode_step_is_padded_with_a_bool(cost_model, tmp_path):
+    saved = json.loads(replace(cost_model, decode_step_padded=True).save(tmp_path / "padded.json").read_text())
+    assert calibration.load(tmp_path / "padded.json").decode_step_padded is True
+    saved["decode_step_padded"] = "false"
+    (tmp_path / "bad.json").write_text(json.dumps(saved))
+    with pytest.raises(fit.CalibrationError, match="decode_step_padded must be true or false"):
+        calibration.load(tmp_path / "bad.json")
+    del saved["decode_step_padded"]  # saved before the field
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert calibration.load(tmp_path / "old.json").decode_step_padded is False
+
+
+def test_a_decode_step_beside_the_other_roles_prompts_gains_the_fitted_ms():
+    samples = [(batch, longest, busy, 1.0 + 0.5 * batch + 3.5 * batch * longest / 1e3 + 2.0 * busy)
+               for batch in (1, 2, 4, 8) for longest in (1000, 4000, 9000) for busy in (0.0, 0.5, 1.0)]
+    assert fit.fit_decode_steps(samples) == (pytest.approx(DECODE_STEP), pytest.approx(2.0))
+
+
+def test_steps_in_service_calibrate_only_when_every_leg_kept_them_for_every_worker(cost_model):
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    del results["legs"]["bidir/P-cache-on"]["worker_steps"]["decode"]  # a worker that did not answer
     assert replace(calibration.Calibration(**fit.fitted(results)), source=cost_model.source) == cost_model
+
+
+def test_too_few_prompt_steps_of_p_calibrate_from_the_requests():
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    results["legs"] = {"bidir/P-cache-off": results["legs"]["bidir/P-cache-off"]}
+    results["legs"]["bidir/P-cache-off"]["worker_steps"]["prefill"] = worker_steps(
+        1.0, DECODE_STEP, 1000.0, True, False)[:fit.MIN_FIT_SAMPLES - 1]
+    without = json.loads(json.dumps(results))
+    del without["legs"]["bidir/P-cache-off"]["worker_steps"]
+    assert fit.fitted(results) == fit.fitted(without)
+
+
+def test_too_few_prompt_steps_of_d_leave_it_computing_prompts_as_p_does():
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    steps = results["legs"]["compute-on-D"]["worker_steps"]
+    steps["decode"] = [s for s in steps["decode"] if not s["prompts"]] + [
+        s for s in steps["decode"] if s["prompts"]][:fit.MIN_FIT_SAMPLES - 1]
+    stepped = calibration.Calibration(**fit.fitted(results))
+    assert "decode" not in stepped.compute_fits
+    assert stepped.prefill_ms(300, 4400, "decode") == stepped.prefill_ms(300, 4400)
 
 
 def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_fixed_cost_once():

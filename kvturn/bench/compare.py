@@ -123,20 +123,23 @@ def worker_calibration(stack: LocalStack) -> dict[str, list]:
     return steps
 
 
-def worker_steps(stack: LocalStack, since_s: float) -> dict[str, list]:
-    """Each worker's forward steps since `since_s` (GET /kv/steps), by role: `kvturn plan` fits its step costs to
-    them. A worker that does not answer, or dropped steps of the span, is left out."""
-    steps = {}
+def worker_steps(stack: LocalStack, since_s: float) -> tuple[dict[str, list], list[str]]:
+    """Each worker's forward steps since `since_s` (GET /kv/steps), by role, for `kvturn plan` to fit its step costs
+    to; and the workers left out, which did not answer or dropped steps of the span (raise --step-history-steps)."""
+    steps, missing = {}, []
     for name, url in stack.urls.items():
-        if name != "router":
-            try:
-                reply = httpx.get(f"{url}/kv/steps", params={"since": since_s}, timeout=30,
-                                  headers={side_channel.SECRET_HEADER: stack.cluster_secret}).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            if isinstance(reply, dict) and isinstance(reply.get("steps"), list) and not reply.get("dropped"):
-                steps.setdefault(reply.get("role") or name, reply["steps"])
-    return steps
+        if name == "router":
+            continue
+        try:
+            reply = httpx.get(f"{url}/kv/steps", params={"since": since_s}, timeout=30,
+                              headers={side_channel.SECRET_HEADER: stack.cluster_secret}).json()
+        except (httpx.HTTPError, ValueError):
+            reply = None
+        if isinstance(reply, dict) and isinstance(reply.get("steps"), list) and reply.get("dropped") is False:
+            steps.setdefault(reply.get("role") or name, reply["steps"])
+        else:
+            missing.append(name)
+    return steps, missing
 
 
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
@@ -157,7 +160,10 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
             results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
                                                    seed=seed))
             results[name].worker_calibration = worker_calibration(stack)
-            results[name].worker_steps = worker_steps(stack, started_s)
+            results[name].worker_steps, missing = worker_steps(stack, started_s)
+            if missing:
+                console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan calibrates from "
+                              f"this run's requests instead[/yellow]")
         failed = sum(1 for r in results[name].requests if r.error)
         console.print(f"  {len(results[name].requests)} requests, {failed} failed, {results[name].runtime_s:.1f} s")
     return results

@@ -30,19 +30,22 @@ class Calibration:
     read_ms_per_mib: dict[str, float]  # "d_to_p", "p_to_d"
     kv_bytes_per_token: float
     other_ms: dict[str, float]  # per leg: time to first token outside compute and transfer, with no queue
-    # The decode fit is of prompts computed alone (D's start-up steps), not beside D's running decodes: a step of
-    # D's then costs the prompt's compute plus the decodes' step, as on the other kinds of worker.
+    # The decode fit is of prompts computed alone (D's start-up steps, or its steps in service less the decodes
+    # beside), not beside D's running decodes: a step of D's then costs the prompt's compute plus the decodes'
+    # step, as on the other kinds of worker.
     decode_fit_alone: bool = False
     # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
     colocated_step_fit: tuple[float, float, float] | None = None
     # The first prompt step a worker runs after idling takes this many ms beyond the compute fit's time, which is
     # of steps back to back: fitted to the bench run's requests that found P idle with D quiet, against the
-    # workers' start-up steps, and applied to every kind of worker (one machine's caches)
+    # workers' start-up steps, and applied to every kind of worker (one machine's caches). 0 when fitted to steps
+    # in service, whose fit holds it as the run saw it (and likewise the contention's prefill_slowdown).
     idle_step_ms: float = 0.0
     # ...and this many when the other role is busy on the same cores (one host); None, as saved before it was
     # fitted: (the fit's time + idle_step_ms) x (1 + prefill_slowdown)
     busy_idle_step_ms: float | None = None
-    decode_step_padded: bool = False  # fitted to the workers' decode steps in service, which say the longest context
+    # Fitted to the workers' decode steps in service, which say the longest context; False, as saved before
+    decode_step_padded: bool = False
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -142,6 +145,9 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
+        if type(calibration.decode_step_padded) is not bool:
+            raise CalibrationError(f"{path}: decode_step_padded must be true or false, got "
+                                   f"{calibration.decode_step_padded!r}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):

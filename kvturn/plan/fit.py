@@ -1,6 +1,8 @@
-"""Fitting the plan's cost model to a `kvturn bench` results JSON (or several, pooled): its per-request rows say
-how many prompt tokens each worker computed and in how long, what was read each way, TTFT and TPOT, and when each
-request ran, from which the batch, and whether the other role was busy on the shared cores, are worked out."""
+"""Fitting the plan's cost model to a `kvturn bench` results JSON (or several, pooled). The workers' steps in
+service (step_samples.py), when the bench kept them, give the compute and decode step fits; otherwise the
+per-request rows do: how many prompt tokens each worker computed and in how long, TTFT and TPOT, and when each
+request ran, from which the batch, and whether the other role was busy on the shared cores, are worked out. The
+requests give the rest either way: what was read each way, and the time outside compute and transfer."""
 import numpy as np
 
 from kvturn.bench.compare import LEGS
@@ -207,10 +209,34 @@ def fit_decode_step(by_leg: Legs) -> tuple[tuple[float, float, float], float]:
                 tpot.append(row.tpot_ms)
     if len(tpot) < MIN_FIT_SAMPLES:
         raise CalibrationError("too few P/D requests with more than one output token to fit the decode step time")
-    x, y = np.array(features), np.array(tpot)
+    return _decode_step_lstsq(np.array(features), np.array(tpot))
+
+
+def _decode_step_lstsq(x: np.ndarray, ms: np.ndarray) -> tuple[tuple[float, float, float], float]:
+    """((a, b, k), contention) of ms = a + b x[:, 1] + k x[:, 2] + contention x[:, 3], none negative."""
     # Batches that barely varied cannot tell a cost per request from the fixed one: the context term carries it.
-    coefficients = nonnegative_lstsq(x, y, [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3])
+    coefficients = nonnegative_lstsq(x, ms, [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3])
     return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
+
+
+def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[tuple[float, float, float], float]:
+    """(ms per decode step = a + b batch + k batch x longest context / 1e3, ms a step gains while the other role
+    computes), from decode-only steps (batch, longest context, share of the step the other role computed, ms).
+    The engine pads a decode step's attention to the batch's longest context: fitted to the tokens attended to
+    instead, a fit of a calibration run's batches of one or two put the decode steps of `concurrent`'s eight
+    sessions 27% high in all, and padded within 1%."""
+    x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
+    return _decode_step_lstsq(x, np.array([ms for *_, ms in samples]))
+
+
+def prompt_step_ms(step: step_samples.Step, decode_step: tuple[float, float, float] | None) -> float:
+    """A prompt step's time less a decode step of the requests that decoded in it (by `decode_step`, padded), which
+    the simulation adds to each prompt step of its own."""
+    if not step.decodes or decode_step is None:
+        return step.ms
+    a, b, k = decode_step
+    decodes_ms = a + b * step.decodes + k * step.decodes * step.decode_longest / 1e3
+    return max(step.ms - decodes_ms, step.ms * MIN_PROMPT_SHARE)
 
 
 def fit_colocated_step(by_leg: Legs) -> tuple[float, float, float] | None:
@@ -275,7 +301,8 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
         for row in run_rows:
             legs.setdefault(row.leg, []).append(row)
         by_leg += legs.items()
-    in_service = step_fits([step_samples.leg_steps(leg) for run in runs for leg in (run.get("legs") or {}).values()])
+    legs_in_service = step_legs(runs)
+    in_service = step_fits(legs_in_service) if legs_in_service else None
     fits = _request_fits(runs, by_leg) if in_service is None else in_service
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
     if not per_token:
@@ -297,34 +324,48 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
             "samples": {"requests": len(rows), **fits["samples"]}}
 
 
+def step_legs(runs: list[dict]) -> list[dict[str, list[step_samples.Step]]] | None:
+    """Each leg's workers' steps in service, or None unless every leg kept them for each of its workers (an older
+    bench, or a worker that did not answer): the fits come from the steps of every leg or from none of them."""
+    legs = []
+    for run in runs:
+        for name, leg in (run.get("legs") or {}).items():
+            steps = step_samples.leg_steps(leg)
+            colocated = name in LEGS and LEGS[name].mode == "colocated"
+            if set(steps) != ({"colocated"} if colocated else {"prefill", "decode"}):
+                return None
+            legs.append(steps)
+    return legs
+
+
 def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
-    """The compute and decode step fits from the workers' steps in service (step_samples.py), or None when the
-    runs did not keep enough of them (results of an older bench, or a worker that did not answer): every prompt
-    step of a kind in one fit, the decodes beside a prompt taken out by that kind's decode step fit, so a
-    simulated step costs its prompts' compute plus its decodes' step. The slowdown beside the other role and the
-    cost of starting idle are left at zero: on the dev machine P's steps with D decoding, or started idle, came
-    within 4% of the fit of all of them."""
+    """The compute and decode step fits from the workers' steps in service (step_samples.py), or None when there are
+    too few: each kind's prompt steps in one fit, less a step of the decodes beside them by that kind's decode step
+    fit (so that a simulated step costs its prompts' compute plus its decodes' step), except D's prompts, which
+    scale P's fit. The slowdown beside the other role and the cost of starting idle are left at zero: on the dev
+    machine P's steps with D decoding, or started idle, came within 4% of the fit of all of them."""
     samples = step_samples.collect(legs)
     if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
         return None
-    decode_step, contention = step_samples.fit_decode_steps(samples.decodes["decode"])
+    decode_step, contention = fit_decode_steps(samples.decodes["decode"])
     colocated = samples.decodes["colocated"]
-    colocated_step = step_samples.fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": None, "decode": decode_step, "colocated": colocated_step or decode_step}
-    prompts = {kind: [(chunks, step_samples.prompt_ms(step, own_step[kind])) for chunks, step in points]
-               for kind, points in samples.prompts.items()}
+    prompts = {kind: [(step.prompts, prompt_step_ms(step, own_step[kind])) for step in steps]
+               for kind, steps in samples.prompts.items()}
     fits = {"prefill": fit_compute(prompts["prefill"])}
     if len(prompts["colocated"]) >= MIN_FIT_SAMPLES:
         fits["colocated"] = fit_compute(prompts["colocated"])
-    if prompts["decode"]:
-        # D is the same engine on cores of its own, and computes only the later turns of one leg: too few shapes
-        # to fit four terms, so they scale P's fit.
-        scale = float(np.median([ms / predict_compute(fits["prefill"], chunks) for chunks, ms in prompts["decode"]]))
-        fits["decode"] = tuple(c * scale for c in fits["prefill"])
+    # D is the same engine on cores of its own, and computes only the later turns of one leg: too few shapes to
+    # fit four terms, so they scale P's fit.
+    ratios = [ms / fitted for chunks, ms in prompts["decode"]
+              if (fitted := predict_compute(fits["prefill"], chunks)) > 0]
+    if len(ratios) >= MIN_FIT_SAMPLES:
+        fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
     return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
-            "decode_step_padded": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0, "busy_idle_step_ms": 0.0,
-            "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
-            "samples": {"steps": samples.count(), **{kind: len(points) for kind, points in samples.prompts.items()}}}
+            "decode_step_padded": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
+            "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
+            "samples": {"steps": samples.count(), **{kind: len(steps) for kind, steps in samples.prompts.items()}}}
 
 
 def _request_fits(runs: list[dict], by_leg: Legs) -> dict:

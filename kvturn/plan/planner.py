@@ -20,7 +20,8 @@ ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
 MAX_HISTORY_TOKENS = 262_144
 LEFT_OUT = (
-    "contention between processes sharing cores or a GPU beyond what the calibration run itself saw",
+    "contention between processes sharing cores or a GPU beyond what the calibration run itself saw (a fit to its "
+    "steps in service holds the run's own mix, whatever the planned load)",
     "bandwidth shared by concurrent KV reads (each read runs at the calibrated MiB/s alone)",
     "preemption of running requests when a pool fills (leases are reclaimed, no request is ever preempted)",
     "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated; its "
@@ -28,8 +29,9 @@ LEFT_OUT = (
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
     "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
     "router, HTTP and tokenization time as one constant per leg (its calibrated median), not a queue",
-    "a decode step's attention over the batch's longest context for every request (kvturn's engine pads to it): the "
-    "fit charges the sum of the contexts, less than that in batches of uneven histories",
+    "with a calibration from requests alone (a bench that kept no steps in service), a decode step's attention "
+    "over the batch's longest context for every request (kvturn's engine pads to it): that fit charges the sum of "
+    "the contexts, less than that in batches of uneven histories",
 )
 
 
