@@ -10,6 +10,11 @@ Why rounds: on this shared 2-core machine one bench run of a leg differs from th
 same prompt computed in two calibration legs minutes apart by up to a third: as much as the tolerance. `--repeats N`
 makes N rounds, each every workload and leg once, so that a slow spell of the machine falls on all legs alike.
 
+The column "prompt steps / fit" is the median, over a leg's runs, of the median of its prompt steps in service
+(P's, or the colocated worker's, without decodes beside) over what the calibration fit puts them at, shape for
+shape: how fast the machine ran during those runs against the calibration runs. A prediction that misses by as much
+as that ratio is off by the machine's drift, not by the simulation.
+
 The bench runs every process on this machine. By default they share its cores; with --pin-workers every bench run
 pins P and D to cores of their own, as on machines of their own, but they still share the caches, the memory and the
 router's and client's processes. The plan models one host (`kvturn plan --one-host`) either way: the slowdown of one
@@ -31,6 +36,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kvturn.plan import step_samples
+from kvturn.plan.calibration import Calibration, load_many
 
 # Turns per session, where the bench's default (4) does not serve: in `concurrent` the eight sessions start together,
 # so their first two turns queue and the last two do not, and the TTFT p50 of 4 x 8 turns is the mean of the 16th
@@ -54,7 +62,8 @@ def turns(workload: str) -> list[str]:
 
 
 def leg_dir(out: Path, workload: str, leg: str, run: int) -> Path:
-    return out / f"measured-{workload}" / leg.replace("/", "_") / f"run-{run}"
+    measured = f"measured-{workload}" + (f"-{TURNS[workload]}-turns" if workload in TURNS else "")
+    return out / measured / leg.replace("/", "_") / f"run-{run}"
 
 
 def calibration_runs(out: Path, repeats: int) -> list[Path]:
@@ -82,8 +91,8 @@ def predict(out: Path, workloads: list[str], calibrations: list[Path], name: str
     """Plan each workload from `calibrations` pooled, into OUT/NAME-WORKLOAD."""
     pooled = [arg for path in calibrations for arg in ("--calibration", str(path))]
     for workload in workloads:
-        kvturn("plan", "--scenario", workload, *turns(workload), *pooled, "--legs", ",".join(LEGS), "--one-host", "--ttls", "",
-               "--budgets", "", "--out", str(out / f"{name}-{workload}"))
+        kvturn("plan", "--scenario", workload, *turns(workload), *pooled, "--legs", ",".join(LEGS), "--one-host",
+               "--ttls", "", "--budgets", "", "--out", str(out / f"{name}-{workload}"))
 
 
 def error(predicted: float, measured: float) -> float:
@@ -92,16 +101,27 @@ def error(predicted: float, measured: float) -> float:
     return predicted / measured - 1
 
 
-def measured_runs(out: Path, workload: str, rounds: list[int]) -> dict[str, list[dict]]:
-    """The bench runs of `rounds` of each leg of `workload`: their summaries, by leg name."""
-    runs: dict[str, list[dict]] = {}
+def measured_runs(out: Path, workload: str, rounds: list[int]) -> dict[str, list[tuple[dict, dict]]]:
+    """The bench runs of `rounds` of each leg of `workload`: (summary, the leg's results), by leg name."""
+    runs: dict[str, list[tuple[dict, dict]]] = {}
     for leg in LEGS:
         for run in rounds:
             path = leg_dir(out, workload, leg, run) / "results.json"
             if path.exists():
-                for summary in json.loads(path.read_text())["summaries"]:
-                    runs.setdefault(summary["leg"], []).append(summary)
+                results = json.loads(path.read_text())
+                for summary in results["summaries"]:
+                    runs.setdefault(summary["leg"], []).append((summary, results["legs"].get(summary["leg"], {})))
     return runs
+
+
+def step_speed(cost_model: Calibration, leg: dict) -> float | None:
+    """The median of a measured leg's prompt steps (P's, or a colocated worker's) over what the calibration fit
+    puts them at: how fast this machine ran during the run against the calibration runs, shape for shape."""
+    steps = step_samples.leg_steps(leg)
+    kind = "colocated" if "colocated" in steps else "prefill"
+    ratios = [step.ms / cost_model.step_prefill_ms(list(step.prompts), kind) for step in steps.get(kind, [])
+              if step.prompts and not step.decodes]
+    return statistics.median(ratios) if ratios else None
 
 
 def entry(predicted: float, measured: list[float]) -> dict:
@@ -110,7 +130,7 @@ def entry(predicted: float, measured: list[float]) -> dict:
     return {"predicted": predicted, "measured": median, "error": error(predicted, median), "runs": measured}
 
 
-def compare(out: Path, workloads: list[str], name: str, rounds: list[int]) -> list[dict]:
+def compare(out: Path, workloads: list[str], name: str, rounds: list[int], cost_model: Calibration) -> list[dict]:
     rows = []
     for workload in workloads:
         measured = measured_runs(out, workload, rounds)
@@ -118,11 +138,13 @@ def compare(out: Path, workloads: list[str], name: str, rounds: list[int]) -> li
         for leg, prediction in planned.items():
             if leg not in measured:
                 continue
-            ttft = [summary["ttft_ms"]["p50"] for summary in measured[leg]]
-            peak = [summary["peak_retained_kv_bytes"] / 2**20 for summary in measured[leg]]
+            ttft = [summary["ttft_ms"]["p50"] for summary, _ in measured[leg]]
+            peak = [summary["peak_retained_kv_bytes"] / 2**20 for summary, _ in measured[leg]]
+            speeds = [speed for _, results in measured[leg] if (speed := step_speed(cost_model, results)) is not None]
             rows.append({"workload": workload, "leg": leg, "runs": len(ttft),
                          "ttft_p50_ms": entry(prediction["ttft_p50_ms"], ttft),
-                         "peak_retained_mib": entry(prediction["peak_retained_mib"], peak)})
+                         "peak_retained_mib": entry(prediction["peak_retained_mib"], peak),
+                         "prompt_steps_vs_fit": statistics.median(speeds) if speeds else None})
     return rows
 
 
@@ -138,11 +160,14 @@ def table(rows: list[dict]) -> str:
     def spread(entry: dict) -> str:
         low, high = min(entry["runs"]), max(entry["runs"])
         return f"{low:.0f}-{high:.0f} ms" if len(entry["runs"]) > 1 else "-"
+    def speed(ratio: float | None) -> str:
+        return "-" if ratio is None else f"{ratio:.2f}"
     lines = ["| workload | leg | TTFT p50 predicted / measured (median of runs) | runs: range | "
-             "peak retained predicted / measured |",
-             "|---|---|---|---|---|"]
+             "prompt steps / fit | peak retained predicted / measured |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {r['workload']} | {r['leg']} | {cell(r['ttft_p50_ms'], 'ms')} | {r['runs']}: "
-              f"{spread(r['ttft_p50_ms'])} | {cell(r['peak_retained_mib'], 'MiB')} |" for r in rows]
+              f"{spread(r['ttft_p50_ms'])} | {speed(r.get('prompt_steps_vs_fit'))} | "
+              f"{cell(r['peak_retained_mib'], 'MiB')} |" for r in rows]
     lines.append(f"\n{within(rows) + within(rows, 'peak_retained_mib')} of {2 * len(rows)} predictions within "
                  f"{TOLERANCE:.0%}, TTFT p50 on {within(rows)} of {len(rows)} legs (**x**: outside).")
     return "\n".join(lines)
@@ -180,7 +205,7 @@ def main() -> None:
         raise SystemExit(f"no calibration run in {args.out / 'calibration'} (run-1 .. run-{args.repeats})")
     all_rounds = list(range(1, args.repeats + 1))
     predict(args.out, workloads, calibrations, "plan")
-    rows = compare(args.out, workloads, "plan", all_rounds)
+    rows = compare(args.out, workloads, "plan", all_rounds, load_many(calibrations))
     text = table(rows)
     rounds = {}
     if len(calibrations) > 1:  # what one round's calibration says of that round's measurement alone
@@ -188,7 +213,7 @@ def main() -> None:
             path = args.out / "calibration" / f"run-{run}" / "results.json"
             if path in calibrations:
                 predict(args.out, workloads, [path], f"plan-round-{run}")
-                rounds[run] = compare(args.out, workloads, f"plan-round-{run}", [run])
+                rounds[run] = compare(args.out, workloads, f"plan-round-{run}", [run], load_many([path]))
         text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
                  f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in rounds.values()) + " legs.")
     (args.out / "accuracy.md").write_text(text + "\n")
