@@ -10,6 +10,7 @@ the slowdown beside the other role and the cost of starting idle are in them, on
 from dataclasses import dataclass
 
 from kvturn.plan.rows import busy_share
+from kvturn.router.paths import plausible_step_ms
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
 MAX_TOKENS = 2**24  # of a context, or of a step
@@ -56,8 +57,7 @@ def parse_step(raw) -> Step | None:
                 not _count(chunk[1], MAX_TOKENS):
             return None
         chunks.append((chunk[0], chunk[1]))
-    tokens = sum(n for n, _ in chunks) + decodes
-    if not tokens or not 1e-5 <= ms / tokens <= 1e4:
+    if not plausible_step_ms(ms, sum(n for n, _ in chunks) + decodes):
         return None
     return Step(float(start), float(ms), tuple(chunks), decodes, context, longest)
 

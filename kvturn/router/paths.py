@@ -63,6 +63,11 @@ def relative_nonnegative_fit(x: np.ndarray, ms: np.ndarray) -> np.ndarray:
     return nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(x.shape[1])))
 
 
+def plausible_step_ms(ms: float, tokens: int) -> bool:
+    """Whether a step that computed `tokens` could have taken `ms`: between 10 ns and 10 s a token."""
+    return tokens > 0 and 1e-5 <= ms / tokens <= 1e4
+
+
 def calibration_step(step) -> tuple[int, int, float] | None:
     """(new tokens, context, ms) of one step of a worker's start-up calibration, or None for anything that is not
     a plausible measurement: whole token counts, a finite time, between 10 ns and 10 s a token."""
@@ -71,7 +76,7 @@ def calibration_step(step) -> tuple[int, int, float] | None:
     n, context, ms = step.get("new_tokens"), step.get("context_tokens"), step.get("ms")
     if type(n) is not int or type(context) is not int or type(ms) not in (int, float) or not math.isfinite(ms):
         return None
-    if 0 < n <= 2**20 and 0 <= context <= 2**24 and 1e-5 <= ms / n <= 1e4:
+    if 0 < n <= 2**20 and 0 <= context <= 2**24 and plausible_step_ms(ms, n):
         return n, context, float(ms)
     return None
 
