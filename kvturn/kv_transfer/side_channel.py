@@ -29,6 +29,15 @@ def has_secret(request: Request, secret: str | None) -> bool:
     return secret is None or secrets.compare_digest(request.headers.get(SECRET_HEADER, ""), secret)
 
 
+def refusal(request: Request, secret: str | None, on_refused) -> JSONResponse | None:
+    """The 403 for a caller of a cluster-only endpoint that did not prove the secret (counted by `on_refused`), or
+    None for one that did."""
+    if has_secret(request, secret):
+        return None
+    on_refused()
+    return error_response(403, "wrong or missing cluster secret")
+
+
 PIN, LEASE = "pin", "lease"  # P's pin of a prompt for one decode; D's lease of a finished turn
 RECORD_FIELDS = ("handle", "block_ids", "block_hashes", "block_epochs", "num_tokens", "expiry_time", "first_token_id")
 
@@ -176,10 +185,7 @@ def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_re
     def refused(request: Request) -> JSONResponse | None:
         if connector is None:
             return error_response(404, "this worker does not transfer KV")
-        if not has_secret(request, secret):
-            on_refused()
-            return error_response(403, "wrong or missing cluster secret")
-        return None
+        return refusal(request, secret, on_refused)
 
     async def lease_request(request: Request) -> tuple[str, str] | JSONResponse:
         """(handle, binding_key) of an authorised lease call, or the error response."""

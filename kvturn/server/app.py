@@ -169,9 +169,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         """The forward steps run since `?since=` (epoch seconds): what each computed and how long it took, which
         `kvturn bench` keeps for `kvturn plan` to calibrate from. Cluster members only: it tells when other
         clients' requests ran and how long they were."""
-        if not side_channel.has_secret(request, secret):
-            worker.metrics.side_channel_refusals.inc()
-            return error_response(403, "wrong or missing cluster secret")
+        if (denied := side_channel.refusal(request, secret, worker.metrics.side_channel_refusals.inc)) is not None:
+            return denied
         started_s = finite_number(request.query_params.get("since", "0"), "since")
         if not worker.async_engine.alive:
             return error_response(503, "engine is not running")
