@@ -108,18 +108,26 @@ def warm_up(url: str, source: workload.TextSource) -> None:
     asyncio.run(client.run(url, workload.synthetic(spec, source, 999_999, "warmup"), sessions=1, show_progress=False))
 
 
+def worker_replies(stack: LocalStack, path: str, **request) -> dict[str, dict | None]:
+    """Each worker's JSON object at GET `path` (router left out), by name; None where it did not answer with one."""
+    replies = {}
+    for name, url in stack.urls.items():
+        if name != "router":
+            try:
+                reply = httpx.get(f"{url}{path}", **request).json()
+            except (httpx.HTTPError, ValueError):
+                reply = None
+            replies[name] = reply if isinstance(reply, dict) else None
+    return replies
+
+
 def worker_calibration(stack: LocalStack) -> dict[str, list]:
     """Each worker's start-up prefill steps (GET /kv/calibration), by role: `kvturn plan` fits them beside the
     requests, as prompts timed alone."""
     steps = {}
-    for name, url in stack.urls.items():
-        if name != "router":
-            try:
-                reply = httpx.get(f"{url}/kv/calibration", timeout=10).json()
-            except (httpx.HTTPError, ValueError):
-                continue
-            if isinstance(reply, dict) and isinstance(reply.get("prefill_steps"), list):
-                steps.setdefault(reply.get("role") or name, reply["prefill_steps"])
+    for name, reply in worker_replies(stack, "/kv/calibration", timeout=10).items():
+        if reply is not None and isinstance(reply.get("prefill_steps"), list):
+            steps.setdefault(reply.get("role") or name, reply["prefill_steps"])
     return steps
 
 
@@ -127,15 +135,10 @@ def worker_steps(stack: LocalStack, since_s: float) -> tuple[dict[str, list], li
     """Each worker's forward steps since `since_s` (GET /kv/steps), by role, for `kvturn plan` to fit its step costs
     to; and the workers left out, which did not answer or dropped steps of the span (raise --step-history-steps)."""
     steps, missing = {}, []
-    for name, url in stack.urls.items():
-        if name == "router":
-            continue
-        try:
-            reply = httpx.get(f"{url}/kv/steps", params={"since": since_s}, timeout=30,
-                              headers={side_channel.SECRET_HEADER: stack.cluster_secret}).json()
-        except (httpx.HTTPError, ValueError):
-            reply = None
-        if isinstance(reply, dict) and isinstance(reply.get("steps"), list) and reply.get("dropped") is False:
+    replies = worker_replies(stack, "/kv/steps", params={"since": since_s}, timeout=30,
+                             headers={side_channel.SECRET_HEADER: stack.cluster_secret})
+    for name, reply in replies.items():
+        if reply is not None and isinstance(reply.get("steps"), list) and reply.get("dropped") is False:
             steps.setdefault(reply.get("role") or name, reply["steps"])
         else:
             missing.append(name)
