@@ -4,6 +4,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -13,7 +14,7 @@ from kvturn.cli import app
 from kvturn.launch import LocalStack
 from kvturn.plan import calibration, fit, planner, report, trace
 from kvturn.plan.predict import simulate
-from kvturn.plan.rows import Row
+from kvturn.plan.rows import Row, rows_of
 from kvturn.plan.sim import Deployment, RouterPool, Simulation
 from kvturn.plan.step_samples import Step, parse_step
 from kvturn.plan.steps import Job
@@ -205,14 +206,15 @@ def served_step(start_s: float, ms: float, prompts: list, decodes: int = 0, cont
 def worker_steps(prompt_scale: float, step: tuple[float, float, float], start_s: float, prompts: bool,
                  decodes_beside: bool) -> list:
     """A worker's /kv/steps of one leg: prompt steps of known cost (every other one beside two decodes when
-    `decodes_beside`), then decode-only steps of batches 1-4, as they ran one after another."""
+    `decodes_beside`, which add their per-request and attention terms: one forward pass, one fixed cost), then
+    decode-only steps of batches 1-4, as they ran one after another."""
     a, b, k = step
     shapes = [(4000, 0), (900, 0), (2500, 0), (300, 4400), (120, 2000), (350, 7000), (60, 900), (200, 3000)]
     steps, now = [], start_s
     for i, (n, context) in enumerate(shapes if prompts else []):
         decodes, longest = (2, 3000) if decodes_beside and i % 2 else (0, 0)
         ms = prompt_scale * replace_fits(PROMPT_FIT).prefill_ms(n, context)
-        ms += a + b * decodes + k * decodes * longest / 1e3 if decodes else 0.0
+        ms += b * decodes + k * decodes * longest / 1e3
         steps.append(served_step(now, ms, [[n, context]], decodes, 2 * longest - 500 if decodes else 0, longest))
         now += ms / 1e3 + 0.5
     for i, batch in enumerate((1, 2, 3, 4) * 6):
@@ -274,6 +276,7 @@ def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost
     assert stepped.contention["prefill_slowdown"] == 0 and stepped.idle_step_ms == stepped.busy_idle_step_ms == 0
     p_legs = sum(LEGS[leg].mode != "colocated" for leg in results["legs"])
     assert stepped.decode_fit_alone and stepped.samples["prefill"] == 8 * p_legs  # the junk is left out
+    assert stepped.decodes_share_fixed_cost  # a prompt step pays the decodes beside it their terms, not a second a
     # What steps do not say still comes from the requests.
     assert stepped.other_ms == cost_model.other_ms and stepped.read_ms_per_mib == cost_model.read_ms_per_mib
     assert calibration.load(stepped.save(tmp_path / "stepped.json")) == stepped
@@ -289,6 +292,63 @@ def test_a_saved_calibration_says_its_decode_step_is_padded_with_a_bool(cost_mod
     del saved["decode_step_padded"]  # saved before the field
     (tmp_path / "old.json").write_text(json.dumps(saved))
     assert calibration.load(tmp_path / "old.json").decode_step_padded is False
+
+
+def test_a_saved_calibration_says_whether_decodes_share_a_prompt_steps_fixed_cost_with_a_bool(cost_model, tmp_path):
+    saved = json.loads(replace(cost_model, decodes_share_fixed_cost=True).save(tmp_path / "shared.json").read_text())
+    assert calibration.load(tmp_path / "shared.json").decodes_share_fixed_cost is True
+    saved["decodes_share_fixed_cost"] = 1
+    (tmp_path / "bad.json").write_text(json.dumps(saved))
+    with pytest.raises(fit.CalibrationError, match="decodes_share_fixed_cost must be true or false"):
+        calibration.load(tmp_path / "bad.json")
+    del saved["decodes_share_fixed_cost"]  # saved before the field: a whole decode step, as fitted then
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert calibration.load(tmp_path / "old.json").decodes_share_fixed_cost is False
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_prompt_step_beside_running_decodes_pays_one_fixed_cost_when_fitted_so(cost_model, shared):
+    # A colocated worker decodes one request (3000 tokens of context), then a 200-token prompt arrives: its step
+    # costs the prompt's compute plus the decode's per-request and attention terms, and the decode step's fixed
+    # cost too only where the calibration says a prompt step pays it again (fitted from requests, or saved so).
+    model = replace(cost_model, colocated_step_fit=(6.0, 0.5, 2.0), decode_step_padded=True,
+                    decodes_share_fixed_cost=shared)
+    sim = Simulation(Workload("none", [], None), LEGS["colocated"], Deployment(), model)
+    worker, first_token = sim.decode[0], {}
+    sim.at(0.0, worker.submit_decode, Job(0, 3000, 400))
+    prompt = Job(200, 0, 1, on_first_token=lambda job, now: first_token.setdefault("at", now))
+    sim.at(0.0, worker.submit_prefill, prompt)
+    sim.run()
+    # The prompt arrives as the decode's first step starts, and computes in the step after it.
+    first_step_ms = model.decode_steps_ms("colocated", 1, 1, 3000, 3000)
+    beside_ms = 0.5 + 2.0 * 3001 / 1e3 + (0.0 if shared else 6.0)
+    assert model.decodes_beside_prompts_ms("colocated", 1, 3001, 3001) == pytest.approx(beside_ms)
+    expected_ms = first_step_ms + model.prefill_ms(200, 0, "colocated") + beside_ms
+    assert first_token["at"] == pytest.approx(expected_ms / 1e3)
+
+
+def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
+    # Prompts that cost exactly 10 + 0.1 n ms, measured 0.7-1.3x that: least relative squares alone come out low
+    # (they weigh a fast sample more than a slow one); the fit is scaled so half ran slower and half faster.
+    scatter = (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)
+    samples = [(((n, 0),), factor * (10 + 0.1 * n)) for n in (100, 400, 1600) for factor in scatter]
+    fitted_ = fit.fit_through_median(samples)
+    ratios = sorted(ms / fit.predict_compute(fitted_, chunks) for chunks, ms in samples)
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0)
+    unscaled = fit.relative_nonnegative_fit(np.array([fit.features(c) for c, _ in samples]),
+                                            np.array([ms for _, ms in samples]))
+    assert fit.predict_compute(unscaled, ((400, 0),)) < 0.95 * fit.predict_compute(fitted_, ((400, 0),))
+    assert fit.predict_compute(fitted_, ((400, 0),)) == pytest.approx(50.0, rel=0.02)
+
+
+def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported():
+    request = {"conversation_id": "c", "turn": 1, "start_time_ms": 0.0, "ttft_ms": 300.0, "latency_ms": 400.0,
+               "input_num_tokens": 1000, "output_num_tokens": 8, "prompt_tokens_computed_prefill": 1000,
+               "prefill_compute_ms": 150.0, "first_token_from": "prefill", "queue_ms": 120.0}
+    assert rows_of({"legs": {"pd/P-cache-off": {"requests": [request]}}})[0].other_ms == pytest.approx(30.0)
+    for junk in (None, "120", float("nan"), -5.0, True, 1e300):
+        row = rows_of({"legs": {"pd/P-cache-off": {"requests": [{**request, "queue_ms": junk}]}}})[0]
+        assert row.queue_ms == 0.0 and row.other_ms == pytest.approx(150.0)
 
 
 def test_a_decode_step_beside_the_other_roles_prompts_gains_the_fitted_ms():

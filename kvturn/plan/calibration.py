@@ -46,6 +46,10 @@ class Calibration:
     busy_idle_step_ms: float | None = None
     # Fitted to the workers' decode steps in service, which say the longest context; False, as saved before
     decode_step_padded: bool = False
+    # A step computing prompts beside running decodes is one forward pass: its decodes add their per-request and
+    # attention terms to the prompts' compute, not a second fixed cost (fitted so from steps in service); False, as
+    # fitted from requests or saved before: they add a whole decode step
+    decodes_share_fixed_cost: bool = False
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -82,6 +86,13 @@ class Calibration:
         a, b, k = self.step_fit(worker)
         attended = batch * longest if self.decode_step_padded else context
         return count * (a + b * batch) + k * (count * attended + batch * count * (count - 1) / 2) / 1e3
+
+    def decodes_beside_prompts_ms(self, worker: str, batch: int, context: int, longest: int) -> float:
+        """What `batch` running decodes add to a step of `worker` that also computes prompts."""
+        if not batch:
+            return 0.0
+        step_ms = self.decode_steps_ms(worker, 1, batch, context, longest)
+        return step_ms - self.step_fit(worker)[0] if self.decodes_share_fixed_cost else step_ms
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -145,9 +156,9 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
-        if type(calibration.decode_step_padded) is not bool:
-            raise CalibrationError(f"{path}: decode_step_padded must be true or false, got "
-                                   f"{calibration.decode_step_padded!r}")
+        for name in ("decode_step_padded", "decodes_share_fixed_cost"):
+            if type(getattr(calibration, name)) is not bool:
+                raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):

@@ -48,6 +48,16 @@ def fit_compute(samples: list[tuple[Chunks, float]]) -> tuple[float, float, floa
     return tuple(float(c) for c in coefficients)
 
 
+def fit_through_median(samples: list[tuple[Chunks, float]]) -> tuple[float, float, float, float]:
+    """`fit_compute`, scaled so that half the samples ran slower than the fit and half faster. Least relative
+    squares come out low when times scatter, by ~1.5 x their variance in logs (2% at a spread of 0.11, as P's steps
+    in service on the dev machine; 6% at 0.2), and the plan predicts medians."""
+    coefficients = fit_compute(samples)
+    ratios = [ms / fitted for chunks, ms in samples if (fitted := predict_compute(coefficients, chunks)) > 0]
+    scale = float(np.median(ratios)) if ratios else 1.0
+    return tuple(c * scale for c in coefficients)
+
+
 def predict_compute(coefficients, chunks: Chunks) -> float:
     return float(np.dot(coefficients, features(chunks)))
 
@@ -230,12 +240,14 @@ def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[tupl
 
 
 def prompt_step_ms(step: step_samples.Step, decode_step: tuple[float, float, float] | None) -> float:
-    """A prompt step's time less a decode step of the requests that decoded in it (by `decode_step`, padded), which
-    the simulation adds to each prompt step of its own."""
+    """A prompt step's time less what the requests that decoded in it added (by `decode_step`, padded): their
+    per-request and attention terms, not its fixed cost, which a step pays once (one forward pass), as the
+    simulation adds them (Calibration.decodes_share_fixed_cost). A colocated worker's prompt steps on the dev
+    machine, less a whole decode step each, fitted 1.2-1.5x too fast for the prompts it then computed alone."""
     if not step.decodes or decode_step is None:
         return step.ms
-    a, b, k = decode_step
-    decodes_ms = a + b * step.decodes + k * step.decodes * step.decode_longest / 1e3
+    _, b, k = decode_step
+    decodes_ms = b * step.decodes + k * step.decodes * step.decode_longest / 1e3
     return max(step.ms - decodes_ms, step.ms * MIN_PROMPT_SHARE)
 
 
@@ -340,8 +352,8 @@ def step_legs(runs: list[dict]) -> list[dict[str, list[step_samples.Step]]] | No
 
 def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     """The compute and decode step fits from the workers' steps in service (step_samples.py), or None when there are
-    too few: each kind's prompt steps in one fit, less a step of the decodes beside them by that kind's decode step
-    fit (so that a simulated step costs its prompts' compute plus its decodes' step), except D's prompts, which
+    too few: each kind's prompt steps in one fit, less what the decodes beside them added by that kind's decode step
+    fit (so that a simulated step costs its prompts' compute plus its decodes' terms), except D's prompts, which
     scale P's fit. The slowdown beside the other role and the cost of starting idle are left at zero: on the dev
     machine P's steps with D decoding, or started idle, came within 4% of the fit of all of them."""
     samples = step_samples.collect(legs)
@@ -353,9 +365,9 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     own_step = {"prefill": None, "decode": decode_step, "colocated": colocated_step or decode_step}
     prompts = {kind: [(step.prompts, prompt_step_ms(step, own_step[kind])) for step in steps]
                for kind, steps in samples.prompts.items()}
-    fits = {"prefill": fit_compute(prompts["prefill"])}
+    fits = {"prefill": fit_through_median(prompts["prefill"])}
     if len(prompts["colocated"]) >= MIN_FIT_SAMPLES:
-        fits["colocated"] = fit_compute(prompts["colocated"])
+        fits["colocated"] = fit_through_median(prompts["colocated"])
     # D is the same engine on cores of its own, and computes only the later turns of one leg: too few shapes to
     # fit four terms, so they scale P's fit.
     ratios = [ms / fitted for chunks, ms in prompts["decode"]
@@ -363,7 +375,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
     return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
-            "decode_step_padded": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
+            "decode_step_padded": True, "decodes_share_fixed_cost": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
             "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
             "samples": {"steps": samples.count(), **{kind: len(steps) for kind, steps in samples.prompts.items()}}}
 

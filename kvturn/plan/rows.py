@@ -24,6 +24,7 @@ class Row:
     tokens_from_decode: int
     first_token_ahead: bool = False  # the router sent P's token ahead: D's read and compute are not in the TTFT
     d_to_p_step_ms: float = 0.0  # of d_to_p_ms, P's engine steps for other prompts before the read was seen done
+    queue_ms: float = 0.0  # waiting in P's queue, as P reported it
 
     @property
     def d_part_of_ttft_ms(self) -> float:
@@ -31,8 +32,10 @@ class Row:
 
     @property
     def other_ms(self) -> float:
-        """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms)."""
-        return max(self.ttft_ms - self.prefill_compute_ms - self.d_to_p_ms - self.d_part_of_ttft_ms, 0.0)
+        """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms) nor waiting in P's queue,
+        which the simulation has of its own."""
+        return max(self.ttft_ms - self.prefill_compute_ms - self.d_to_p_ms - self.d_part_of_ttft_ms - self.queue_ms,
+                   0.0)
 
 
 def _row(leg: str, r: dict) -> Row | None:
@@ -47,7 +50,12 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
                r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
                r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
-               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0)
+               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, _ms(r.get("queue_ms")))
+
+
+def _ms(value) -> float:
+    """A time a worker reported, or 0 for anything that is not a finite, nonnegative number of ms."""
+    return float(value) if type(value) in (int, float) and 0 <= value < 1e9 else 0.0
 
 
 def rows_of(results: dict) -> list[Row]:

@@ -114,6 +114,15 @@ class StepLoop:
         ms = self.sim.calibration.decode_steps_ms(self.kind, count, batch, context, longest)
         return ms + count * self.sim.contention(self)[1] if self.sim.shared_cores else ms
 
+    def _decodes_beside_prompts_ms(self, batch: int) -> float:
+        """What the running decodes add to a step that computes prompts (nothing where the compute fit holds them
+        already: a decode fit of D's measured compute of prompts, from requests)."""
+        calibration = self.sim.calibration
+        if not batch or (self.kind == "decode" and not calibration.decode_fit_alone):
+            return 0.0
+        ms = calibration.decodes_beside_prompts_ms(self.kind, batch, self.context, self.longest)
+        return ms + self.sim.contention(self)[1] if self.sim.shared_cores else ms
+
     def _cut_segment(self) -> None:
         seg = self.segment
         elapsed_ms = (self.sim.now - seg.start_s) * 1e3
@@ -150,9 +159,7 @@ class StepLoop:
             self.busy = False
             return
         budget = self.max_num_batched_tokens - batch
-        # A decode fit of D's measured compute of prompts holds the decodes sharing their steps already.
-        alone = self.kind != "decode" or self.sim.calibration.decode_fit_alone
-        chunks, ms = [], self._segment_ms(1, batch, self.context, self.longest) if batch and alone else 0.0
+        chunks, ms = [], self._decodes_beside_prompts_ms(batch)
         prompt_tokens = 0
         for job in self.prefilling:
             room = self.prefill_pack_tokens - prompt_tokens
