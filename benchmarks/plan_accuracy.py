@@ -1,6 +1,6 @@
 """How close `kvturn plan` comes to what `kvturn bench --compare` measures on this machine.
 
-A round is one short calibration run (benchmarks/plan_calibration.json, 4 sessions two at a time, seed 1), then for
+A round is one short calibration run (benchmarks/plan_calibration.json, 8 sessions four at a time, seed 1), then for
 each workload (the demo sweep, agent-loop, concurrent) a measured run of every leg. The plan of each workload is
 calibrated from the calibration runs only (all rounds' pooled); it is compared with the median of the rounds'
 measurements, TTFT p50 and peak retained KV per leg, and the table is printed and written to OUT/accuracy.md and
@@ -11,8 +11,8 @@ same prompt computed in two calibration legs minutes apart by up to a third: as 
 makes N rounds, each every workload and leg once, so that a slow spell of the machine falls on all legs alike.
 
 The column "prompt steps / fit" is the median, over a leg's runs, of the median of its prompt steps in service
-(P's, or the colocated worker's, without decodes beside) over what the calibration fit puts them at, shape for
-shape: how fast the machine ran during those runs against the calibration runs. A prediction that misses by as much
+(P's, or the colocated worker's) over what the calibration fit puts them at, with the decodes beside them, shape
+for shape: how fast the machine ran during those runs against the calibration runs. A prediction that misses by as much
 as that ratio is off by the machine's drift, not by the simulation.
 
 The bench runs every process on this machine. By default they share its cores; with --pin-workers every bench run
@@ -24,7 +24,7 @@ Each leg is measured by its own `kvturn bench --compare --legs LEG` (OUT/measure
 calibrations in OUT/calibration/run-K), so the runs can be made a few at a time, each short, and a run already there
 is kept with --reuse-measured:
 
-    python benchmarks/plan_accuracy.py                   # one round, ~15 min on 2 cores
+    python benchmarks/plan_accuracy.py                   # one round, ~16 min on 2 cores
     python benchmarks/plan_accuracy.py --measure-only --workloads sweep --legs colocated,pd/P-cache-on
     python benchmarks/plan_accuracy.py --reuse-measured  # plan again against the runs already in OUT
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
@@ -48,6 +48,8 @@ TURNS = {"concurrent": 6}
 LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off", "compute-on-D")
 WORKLOADS = ("sweep", "agent-loop", "concurrent")
 TOLERANCE = 0.15
+CALIBRATION_WORKLOAD = Path(__file__).parent / "plan_calibration.json"
+CALIBRATION_SESSIONS = "4"
 QUIET_FILE = Path("/tmp/kvturn-quiet")  # another measurement needs the machine to itself while it exists
 
 
@@ -77,7 +79,7 @@ def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reus
     for run in range(1, repeats + 1):
         calibration = out / "calibration" / f"run-{run}"
         if not (reuse and (calibration / "results.json").exists()):
-            kvturn("bench", "--compare", "--workload", "benchmarks/plan_calibration.json", "--sessions", "2",
+            kvturn("bench", "--compare", "--workload", str(CALIBRATION_WORKLOAD), "--sessions", CALIBRATION_SESSIONS,
                    "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration), *pinned)
         for workload in workloads:
             for leg in legs:
@@ -116,11 +118,12 @@ def measured_runs(out: Path, workload: str, rounds: list[int]) -> dict[str, list
 
 def step_speed(cost_model: Calibration, leg: dict) -> float | None:
     """The median of a measured leg's prompt steps (P's, or a colocated worker's) over what the calibration fit
-    puts them at: how fast this machine ran during the run against the calibration runs, shape for shape."""
+    puts them at (with what the decodes beside them add): how fast this machine ran during the run against the
+    calibration runs, shape for shape."""
     steps = step_samples.leg_steps(leg)
     kind = "colocated" if "colocated" in steps else "prefill"
-    ratios = [step.ms / cost_model.step_prefill_ms(list(step.prompts), kind) for step in steps.get(kind, [])
-              if step.prompts and not step.decodes]
+    ratios = [step.ms / (cost_model.step_prefill_ms(list(step.prompts), kind) + cost_model.decodes_beside_prompts_ms(
+        kind, step.decodes, step.decode_context, step.decode_longest)) for step in steps.get(kind, []) if step.prompts]
     return statistics.median(ratios) if ratios else None
 
 
