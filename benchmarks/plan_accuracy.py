@@ -49,7 +49,7 @@ LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bid
 WORKLOADS = ("sweep", "agent-loop", "concurrent")
 TOLERANCE = 0.15
 CALIBRATION_WORKLOAD = Path(__file__).parent / "plan_calibration.json"
-CALIBRATION_SESSIONS = "4"
+CALIBRATION_SESSIONS = 4
 QUIET_FILE = Path("/tmp/kvturn-quiet")  # another measurement needs the machine to itself while it exists
 
 
@@ -79,8 +79,9 @@ def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reus
     for run in range(1, repeats + 1):
         calibration = out / "calibration" / f"run-{run}"
         if not (reuse and (calibration / "results.json").exists()):
-            kvturn("bench", "--compare", "--workload", str(CALIBRATION_WORKLOAD), "--sessions", CALIBRATION_SESSIONS,
-                   "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration), *pinned)
+            kvturn("bench", "--compare", "--workload", str(CALIBRATION_WORKLOAD), "--sessions",
+                   str(CALIBRATION_SESSIONS), "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration),
+                   *pinned)
         for workload in workloads:
             for leg in legs:
                 where = leg_dir(out, workload, leg, run)

@@ -1,10 +1,10 @@
 """`kvturn plan`: reading workloads and traces, calibrating from a bench run, the simulation's invariants, plan.json,
 the router's --trace-out through real processes, and the command's errors."""
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -335,10 +335,24 @@ def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
     fitted_ = fit.fit_through_median(samples)
     ratios = sorted(ms / fit.predict_compute(fitted_, chunks) for chunks, ms in samples)
     assert ratios[len(ratios) // 2] == pytest.approx(1.0)
-    unscaled = fit.relative_nonnegative_fit(np.array([fit.features(c) for c, _ in samples]),
-                                            np.array([ms for _, ms in samples]))
+    unscaled = fit.fit_compute(samples)
     assert fit.predict_compute(unscaled, ((400, 0),)) < 0.95 * fit.predict_compute(fitted_, ((400, 0),))
     assert fit.predict_compute(fitted_, ((400, 0),)) == pytest.approx(50.0, rel=0.02)
+
+
+def test_the_prompt_fit_from_steps_in_service_runs_through_their_median():
+    # P's steps as the fixture's bench would keep them, each measured 0.7-1.3x its cost.
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    scatter = (0.7, 1.3, 0.8, 1.2, 0.9, 1.1, 1.0)
+    p_steps = []
+    for run in results["legs"].values():
+        for step in run["worker_steps"].get("prefill", []):
+            if step["prompts"]:
+                step["ms"] *= scatter[len(p_steps) % len(scatter)]
+                p_steps.append(step)
+    stepped = calibration.Calibration(**fit.fitted(results))
+    ratios = [step["ms"] / stepped.step_prefill_ms([tuple(c) for c in step["prompts"]]) for step in p_steps]
+    assert statistics.median(ratios) == pytest.approx(1.0) and min(ratios) < 0.75 and max(ratios) > 1.25
 
 
 def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported():
@@ -349,6 +363,14 @@ def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported()
     for junk in (None, "120", float("nan"), -5.0, True, 1e300):
         row = rows_of({"legs": {"pd/P-cache-off": {"requests": [{**request, "queue_ms": junk}]}}})[0]
         assert row.queue_ms == 0.0 and row.other_ms == pytest.approx(150.0)
+    # Computed on D: D's own wait for its steps (its first token less its read and compute) is left out too.
+    on_decode = {**request, "queue_ms": None, "prefill_compute_ms": None, "first_token_from": "decode",
+                 "decode_ttft_ms": 280.0, "decode_compute_ms": 200.0, "p_to_d_read_ms": 0.0}
+    assert rows_of({"legs": {"compute-on-D": {"requests": [on_decode]}}})[0].other_ms == pytest.approx(20.0)
+    # D's wait is not the simulation's when D only read P's blocks (the first token not sent ahead): it stays.
+    read_only = {**request, "first_token_from": "decode", "decode_ttft_ms": 40.0, "decode_compute_ms": 0.0,
+                 "p_to_d_read_ms": 10.0}
+    assert rows_of({"legs": {"pd/P-cache-off": {"requests": [read_only]}}})[0].other_ms == pytest.approx(20.0)
 
 
 def test_a_decode_step_beside_the_other_roles_prompts_gains_the_fitted_ms():

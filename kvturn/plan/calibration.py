@@ -29,10 +29,11 @@ class Calibration:
     contention: dict[str, float]
     read_ms_per_mib: dict[str, float]  # "d_to_p", "p_to_d"
     kv_bytes_per_token: float
-    other_ms: dict[str, float]  # per leg: time to first token outside compute and transfer, with no queue
+    other_ms: dict[str, float]  # per leg: time to first token outside compute, transfer and the workers' queues
     # The decode fit is of prompts computed alone (D's start-up steps, or its steps in service less the decodes
-    # beside), not beside D's running decodes: a step of D's then costs the prompt's compute plus the decodes'
-    # step, as on the other kinds of worker.
+    # beside), not beside D's running decodes: a step of D's then costs the prompt's compute plus what the decodes
+    # add (decodes_beside_prompts_ms), as on the other kinds of worker. False: a fit of D's requests, which holds
+    # the decodes beside already.
     decode_fit_alone: bool = False
     # A colocated worker's own decode step (it may have more cores than D); None: D's stands in
     colocated_step_fit: tuple[float, float, float] | None = None
@@ -88,8 +89,9 @@ class Calibration:
         return count * (a + b * batch) + k * (count * attended + batch * count * (count - 1) / 2) / 1e3
 
     def decodes_beside_prompts_ms(self, worker: str, batch: int, context: int, longest: int) -> float:
-        """What `batch` running decodes add to a step of `worker` that also computes prompts."""
-        if not batch:
+        """What `batch` running decodes add to a step of `worker` that also computes prompts (nothing where the
+        compute fit holds them already: D's, fitted to its requests)."""
+        if not batch or (worker == "decode" and not self.decode_fit_alone):
             return 0.0
         step_ms = self.decode_steps_ms(worker, 1, batch, context, longest)
         return step_ms - self.step_fit(worker)[0] if self.decodes_share_fixed_cost else step_ms
@@ -156,7 +158,7 @@ def load(path: Path) -> Calibration:
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
         if calibration.colocated_step_fit is not None:
             calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
-        for name in ("decode_step_padded", "decodes_share_fixed_cost"):
+        for name in ("decode_fit_alone", "decode_step_padded", "decodes_share_fixed_cost"):
             if type(getattr(calibration, name)) is not bool:
                 raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):

@@ -375,7 +375,8 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
     return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
-            "decode_step_padded": True, "decodes_share_fixed_cost": True, "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
+            "decode_step_padded": True, "decodes_share_fixed_cost": True,
+            "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
             "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
             "samples": {"steps": samples.count(), **{kind: len(steps) for kind, steps in samples.prompts.items()}}}
 

@@ -9,7 +9,7 @@ and a fit to a short calibration run's steps put the prompt steps of agent-loop 
 the slowdown beside the other role and the cost of starting idle are in them, on average, as the run saw them."""
 from dataclasses import dataclass
 
-from kvturn.plan.rows import busy_share
+from kvturn.plan.rows import busy_share, number_within
 from kvturn.router.paths import plausible_step_ms
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
@@ -34,10 +34,6 @@ def _count(value, most: int, least: int = 0) -> bool:
     return type(value) is int and least <= value <= most
 
 
-def _number(value, least: float, most: float) -> bool:
-    return type(value) in (int, float) and least <= value <= most  # NaN fails both comparisons
-
-
 def parse_step(raw) -> Step | None:
     """A step as a worker's /kv/steps lists it, or None for anything that is not a plausible one: a start on the
     wall clock, whole token counts within a context's reach, and between 10 ns and 10 s a token computed."""
@@ -45,7 +41,7 @@ def parse_step(raw) -> Step | None:
         return None
     start, ms, cpu_ms, prompts = raw.get("start_s"), raw.get("ms"), raw.get("cpu_ms"), raw.get("prompts")
     decodes, context, longest = raw.get("decodes"), raw.get("decode_context"), raw.get("decode_longest")
-    if not _number(start, 0.0, 1e11) or not _number(ms, 1e-3, 6e5) or not _number(cpu_ms, 0.0, 6e5):
+    if not number_within(start, 0.0, 1e11) or not number_within(ms, 1e-3, 6e5) or not number_within(cpu_ms, 0.0, 6e5):
         return None
     if not isinstance(prompts, list) or len(prompts) > 4096 or not _count(decodes, 2**16) or \
             not _count(longest, MAX_TOKENS if decodes else 0, 1 if decodes else 0) or \

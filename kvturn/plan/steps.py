@@ -112,16 +112,16 @@ class StepLoop:
     def _segment_ms(self, count: int, batch: int, context: int, longest: int) -> float:
         """`count` decode steps of `batch` requests; each request's context grows by a token a step."""
         ms = self.sim.calibration.decode_steps_ms(self.kind, count, batch, context, longest)
-        return ms + count * self.sim.contention(self)[1] if self.sim.shared_cores else ms
+        return ms + self._contention_ms(count)
 
     def _decodes_beside_prompts_ms(self, batch: int) -> float:
-        """What the running decodes add to a step that computes prompts (nothing where the compute fit holds them
-        already: a decode fit of D's measured compute of prompts, from requests)."""
-        calibration = self.sim.calibration
-        if not batch or (self.kind == "decode" and not calibration.decode_fit_alone):
-            return 0.0
-        ms = calibration.decodes_beside_prompts_ms(self.kind, batch, self.context, self.longest)
-        return ms + self.sim.contention(self)[1] if self.sim.shared_cores else ms
+        """What the running decodes add to a step that computes prompts."""
+        ms = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.context, self.longest)
+        return ms + self._contention_ms(1) if ms else 0.0
+
+    def _contention_ms(self, steps: int) -> float:
+        """What `steps` decode steps gain beside the other role on the same cores."""
+        return steps * self.sim.contention(self)[1] if self.sim.shared_cores else 0.0
 
     def _cut_segment(self) -> None:
         seg = self.segment
