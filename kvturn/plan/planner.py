@@ -29,7 +29,8 @@ LEFT_OUT = (
     "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
     "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
-    "router, HTTP and tokenization time as one constant per leg (its calibrated median), not a queue",
+    "router and HTTP time as one constant per leg (its calibrated median), not a queue; a worker's own tokenizing "
+    "(a few ms, which the calibration counts with the worker's wait) not at all",
     "with a calibration from requests alone (a bench that kept no steps in service), a decode step's attention "
     "over the batch's longest context for every request (kvturn's engine pads to it): that fit charges the sum of "
     "the contexts, less than that in batches of uneven histories",
