@@ -355,45 +355,6 @@ def test_the_prompt_fit_from_steps_in_service_runs_through_their_median():
     assert statistics.median(ratios) == pytest.approx(1.0) and min(ratios) < 0.75 and max(ratios) > 1.25
 
 
-def test_p_computes_at_its_own_speed_in_each_configuration_the_calibration_ran(cost_model, tmp_path):
-    # Two bench runs whose P computed 10% faster with its prefix cache off and reading nothing from D (pd/P-cache-off),
-    # and 20% slower reading D's blocks with its cache off (bidir/P-cache-off, compute-on-D): each configuration
-    # keeps its speed against the fit of all P's steps; one with too few steps (a single run) computes at the fit.
-    results = with_worker_steps(json.loads(FIXTURE.read_text()))
-    for leg, factor in (("pd/P-cache-off", 0.9), ("bidir/P-cache-off", 1.2), ("compute-on-D", 1.2)):
-        for step in results["legs"][leg]["worker_steps"]["prefill"]:
-            step["ms"] *= factor
-    paths = [tmp_path / "a.json", tmp_path / "b.json"]
-    for path in paths:
-        path.write_text(json.dumps(results))
-    pooled = calibration.load_many(paths)
-    assert pooled.prefill_scales == pytest.approx({"pd/P-cache-on": 1.0, "pd/P-cache-off": 0.9,
-                                                   "bidir/P-cache-on": 1.0, "bidir/P-cache-off": 1.2})
-    for leg, scale in (("pull", 1.2), ("adaptive", 1.2), ("compute-on-D", 1.2), ("pd/P-cache-off", 0.9)):
-        assert pooled.prefill_scale(LEGS[leg]) == pytest.approx(scale)
-    once = calibration.Calibration(**fit.fitted(results))
-    assert set(once.prefill_scales) == {"bidir/P-cache-off"}  # 16 steps with compute-on-D's; the others 8 each
-    # The simulation computes a lone prompt on P at the configuration's speed.
-    one = Workload("one", [Session("s", [TurnDemand(3000, 2, 0)], 0.0)])
-    ttft = {leg: Simulation(one, LEGS[leg], Deployment(), pooled).run().results[0].ttft_ms
-            for leg in ("pd/P-cache-on", "pd/P-cache-off")}
-    compute_ms = pooled.after_idle_ms(pooled.prefill_ms(3000, 0), False)
-    assert ttft["pd/P-cache-on"] - ttft["pd/P-cache-off"] == pytest.approx(
-        compute_ms - pooled.after_idle_ms(0.9 * pooled.prefill_ms(3000, 0), False) + pooled.other("pd/P-cache-on")
-        - pooled.other("pd/P-cache-off"))
-    # A saved calibration keeps them; a malformed one is refused; one saved before them computes at the fit.
-    saved = json.loads(pooled.save(tmp_path / "scaled.json").read_text())
-    assert calibration.load(tmp_path / "scaled.json").prefill_scales == pooled.prefill_scales
-    for bad in ([1.0], {"pd/P-cache-on": "fast"}, {"pd/P-cache-on": 0.0}, {"pd/P-cache-on": float("nan")},
-                {"pd/P-cache-on": True}, {"pd/P-cache-on": 11.0}):
-        (tmp_path / "bad.json").write_text(json.dumps({**saved, "prefill_scales": bad}))
-        with pytest.raises(fit.CalibrationError, match="prefill_scales must map"):
-            calibration.load(tmp_path / "bad.json")
-    del saved["prefill_scales"]
-    (tmp_path / "old.json").write_text(json.dumps(saved))
-    assert calibration.load(tmp_path / "old.json").prefill_scale(LEGS["pd/P-cache-off"]) == 1.0
-
-
 def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported():
     request = {"conversation_id": "c", "turn": 1, "start_time_ms": 0.0, "ttft_ms": 300.0, "latency_ms": 400.0,
                "input_num_tokens": 1000, "output_num_tokens": 8, "prompt_tokens_computed_prefill": 1000,

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.bench.compare import Leg
-from kvturn.plan.fit import MAX_IDLE_MS, CalibrationError, fitted, prefill_config
+from kvturn.plan.fit import MAX_IDLE_MS, CalibrationError, fitted
 from kvturn.plan.rows import rows_of
 
 KIND = "kvturn-calibration"
-MIN_SCALE, MAX_SCALE = 0.1, 10.0  # of P's fit, a saved configuration's speed
 
 
 @dataclass(slots=True)
@@ -53,9 +51,6 @@ class Calibration:
     # attention terms to the prompts' compute, not a second fixed cost (fitted so from steps in service); False, as
     # fitted from requests or saved before: they add a whole decode step
     decodes_share_fixed_cost: bool = False
-    # How fast P computed in each of its configurations against its fit (fit.prefill_scales): by the P/D leg that
-    # has it; a configuration missing computes at the fit
-    prefill_scales: dict[str, float] = field(default_factory=dict)
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -71,10 +66,6 @@ class Calibration:
         per-token and attention terms for every chunk (prompts batched into a step share one forward pass)."""
         a, b, c, q = self.fit_for(worker)
         return a + sum(b * n + c * n * context / 1e3 + q * n * n / 2e3 for n, context in chunks) if chunks else 0.0
-
-    def prefill_scale(self, leg: Leg) -> float:
-        """What P's compute in `leg` takes, as a share of its fit's time."""
-        return self.prefill_scales.get(prefill_config(leg.bidirectional, leg.prefix_caching_on_prefill), 1.0)
 
     def after_idle_ms(self, compute_ms: float, other_role_busy: bool) -> float:
         """What the first prompt step after idling takes, whose compute the fit puts at `compute_ms`."""
@@ -170,11 +161,6 @@ def load(path: Path) -> Calibration:
         for name in ("decode_fit_alone", "decode_step_padded", "decodes_share_fixed_cost"):
             if type(getattr(calibration, name)) is not bool:
                 raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
-        scales = calibration.prefill_scales
-        if not isinstance(scales, dict) or not all(isinstance(k, str) and type(v) in (int, float) and
-                                                   MIN_SCALE <= v <= MAX_SCALE for k, v in scales.items()):
-            raise CalibrationError(f"{path}: prefill_scales must map P/D legs to numbers from {MIN_SCALE:g} to "
-                                   f"{MAX_SCALE:g}, got {scales!r}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):

@@ -18,7 +18,6 @@ MAX_SLOWDOWN = 3.0
 MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
 MAX_IDLE_MS = 1000.0  # what starting a step idle may add
 MAX_BATCHED_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a step's token budget (chunked prefill)
-MIN_SCALE_SAMPLES = 16  # prompt steps of one configuration of P, the fewest its own speed is taken from
 MIN_PROMPT_SHARE = 0.25  # of a measured prompt step, the least left once the decodes beside or starting idle are out
 
 
@@ -337,9 +336,9 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
             "samples": {"requests": len(rows), **fits["samples"]}}
 
 
-def step_legs(runs: list[dict]) -> list[tuple[str, dict[str, list[step_samples.Step]]]] | None:
-    """Each leg's name and its workers' steps in service, or None unless every leg kept them for each of its workers
-    (an older bench, or a worker that did not answer): the fits come from the steps of every leg or from none."""
+def step_legs(runs: list[dict]) -> list[dict[str, list[step_samples.Step]]] | None:
+    """Each leg's workers' steps in service, or None unless every leg kept them for each of its workers (an older
+    bench, or a worker that did not answer): the fits come from the steps of every leg or from none of them."""
     legs = []
     for run in runs:
         for name, leg in (run.get("legs") or {}).items():
@@ -347,39 +346,17 @@ def step_legs(runs: list[dict]) -> list[tuple[str, dict[str, list[step_samples.S
             colocated = name in LEGS and LEGS[name].mode == "colocated"
             if set(steps) != ({"colocated"} if colocated else {"prefill", "decode"}):
                 return None
-            legs.append((name, steps))
+            legs.append(steps)
     return legs
 
 
-def prefill_config(bidirectional: bool, prefix_caching_on_prefill: bool) -> str:
-    """P's configuration in a leg, named as the P/D leg that has it: whether P reads D's retained blocks, whether P
-    keeps a prefix cache (pull, adaptive and compute-on-D have bidir/P-cache-off's)."""
-    return f"{'bidir' if bidirectional else 'pd'}/P-cache-{'on' if prefix_caching_on_prefill else 'off'}"
-
-
-def prefill_scales(legs: list[tuple[str, dict[str, list[step_samples.Step]]]],
-                   prefill_fit: tuple[float, float, float, float]) -> dict[str, float]:
-    """How fast P computed in each configuration of P (`prefill_config`) against the fit of all its steps: the
-    median ratio of the configuration's prompt steps to the fit, where it has at least MIN_SCALE_SAMPLES of them.
-    Shapes alike ran at different speeds with P's prefix cache or reads from D on or off: on the dev machine P's
-    recomputes with its cache off at ~0.93 of the fit in every calibration and measured run, and P reading D's
-    blocks at ~1.03-1.06 (blocks just written by a read, or kept for the cache, are colder than ones just freed)."""
-    ratios: dict[str, list[float]] = {}
-    for name, steps in legs:
-        if name in LEGS and LEGS[name].mode != "colocated":
-            config = prefill_config(LEGS[name].bidirectional, LEGS[name].prefix_caching_on_prefill)
-            ratios.setdefault(config, []).extend(step.ms / fitted for step in steps["prefill"] if step.prompts and
-                                                 (fitted := predict_compute(prefill_fit, step.prompts)) > 0)
-    return {config: float(np.median(r)) for config, r in ratios.items() if len(r) >= MIN_SCALE_SAMPLES}
-
-
-def step_fits(legs: list[tuple[str, dict[str, list[step_samples.Step]]]]) -> dict | None:
+def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     """The compute and decode step fits from the workers' steps in service (step_samples.py), or None when there are
     too few: each kind's prompt steps in one fit, less what the decodes beside them added by that kind's decode step
     fit (so that a simulated step costs its prompts' compute plus its decodes' terms), except D's prompts, which
     scale P's fit. The slowdown beside the other role and the cost of starting idle are left at zero: on the dev
     machine P's steps with D decoding, or started idle, came within 4% of the fit of all of them."""
-    samples = step_samples.collect([steps for _, steps in legs])
+    samples = step_samples.collect(legs)
     if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
         return None
     decode_step, contention = fit_decode_steps(samples.decodes["decode"])
@@ -397,8 +374,7 @@ def step_fits(legs: list[tuple[str, dict[str, list[step_samples.Step]]]]) -> dic
               if (fitted := predict_compute(fits["prefill"], chunks)) > 0]
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
-    return {"compute_fits": fits, "prefill_scales": prefill_scales(legs, fits["prefill"]),
-            "decode_fit_alone": True, "decode_step_fit": decode_step,
+    return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
             "decode_step_padded": True, "decodes_share_fixed_cost": True,
             "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
             "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},

@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from kvturn.bench.compare import LEGS
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
@@ -60,18 +59,16 @@ def break_even_history(calibration: Calibration, new_tokens: int, baseline: str,
     with `new_tokens` added, by the calibrated costs, for a turn that finds its worker idle; None if it never does
     up to MAX_HISTORY_TOKENS."""
     on_decode = candidate == "compute-on-D"
-    base_scale, candidate_scale = (calibration.prefill_scale(LEGS[leg]) for leg in (baseline, candidate))
 
     def idle(compute_ms: float) -> float:
         return calibration.after_idle_ms(compute_ms, other_role_busy=False)
 
     def gain(history: int) -> float:
-        recompute = idle(calibration.prefill_ms(new_tokens + history, 0) * base_scale) + calibration.other(baseline)
+        recompute = idle(calibration.prefill_ms(new_tokens + history, 0)) + calibration.other(baseline)
         if on_decode:
             reuse = idle(calibration.prefill_ms(new_tokens, history, "decode"))
         else:
-            reuse = calibration.read_ms(history, "d_to_p") + idle(
-                calibration.prefill_ms(new_tokens, history) * candidate_scale)
+            reuse = calibration.read_ms(history, "d_to_p") + idle(calibration.prefill_ms(new_tokens, history))
         return recompute - reuse - calibration.other(candidate)
 
     history = 16

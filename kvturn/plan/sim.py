@@ -180,7 +180,6 @@ class Simulation:
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else paths.RECOMPUTE
         self.other_s = calibration.other(leg.name) / 1e3
-        self.prefill_scale = calibration.prefill_scale(leg)
         self.retained_tokens = 0
         self.peak_retained_tokens = 0
         self.results: list[TurnResult] = []
@@ -200,10 +199,8 @@ class Simulation:
         return 1.0 + self.calibration.contention["prefill_slowdown"], self.calibration.contention["decode_step_ms"]
 
     def prompt_step_ms(self, loop: StepLoop, compute_ms: float, after_idle: bool) -> float:
-        """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: at P's speed in this leg's
-        configuration, started after idling or back to back, with the other role busy on the same cores or not."""
-        if loop.kind == "prefill":
-            compute_ms *= self.prefill_scale
+        """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: started after idling or
+        back to back, with the other role busy on the same cores or not."""
         if after_idle:
             return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
         return compute_ms * self.contention(loop)[0]
