@@ -243,7 +243,7 @@ def prompt_step_ms(step: step_samples.Step, decode_step: tuple[float, float, flo
     """A prompt step's time less what the requests that decoded in it added (by `decode_step`, padded): their
     per-request and attention terms, not its fixed cost, which a step pays once (one forward pass), as the
     simulation adds them (Calibration.decodes_share_fixed_cost). A colocated worker's prompt steps on the dev
-    machine, less a whole decode step each, fitted 1.2-1.5x too fast for the prompts it then computed alone."""
+    machine, less a whole decode step each, fitted too fast for the prompts it then computed alone (1.19-1.62x)."""
     if not step.decodes or decode_step is None:
         return step.ms
     _, b, k = decode_step
