@@ -177,6 +177,9 @@ def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
     for r in requests:
         assert r["ttft_ms"] > 0 and r["latency_ms"] >= r["ttft_ms"] and r["output_num_tokens"] == 8
         assert r["input_num_tokens"] > 300 and r["conversation_id"].startswith("session-")
+        # P's engine's own wait (its queue, and a read from D) is recorded apart from its tokenizing and handling
+        assert 0 <= r["engine_wait_ms"] <= r["queue_ms"] + r["d_to_p_read_ms"] + 1e-6
+        assert r["decode_engine_wait_ms"] >= 0
     later = [r for r in requests if r["turn"] > 0]
     assert all(r["reuse"] == "reused" and r["bytes_d_to_p"] > 0 for r in later)
     assert max(b for _, b in leg["retained_kv"]) > 0

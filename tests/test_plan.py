@@ -13,6 +13,7 @@ from kvturn.bench.compare import LEGS
 from kvturn.cli import app
 from kvturn.launch import LocalStack
 from kvturn.plan import calibration, fit, planner, report, trace
+from kvturn.plan import predict
 from kvturn.plan.predict import simulate
 from kvturn.plan.rows import Row, rows_of
 from kvturn.plan.sim import Deployment, RouterPool, Simulation
@@ -355,6 +356,53 @@ def test_the_prompt_fit_from_steps_in_service_runs_through_their_median():
     assert statistics.median(ratios) == pytest.approx(1.0) and min(ratios) < 0.75 and max(ratios) > 1.25
 
 
+def test_a_calibration_from_steps_in_service_keeps_how_they_scattered_about_the_fit(tmp_path):
+    results = with_worker_steps(json.loads(FIXTURE.read_text()))
+    scatter = (0.7, 1.3, 0.8, 1.2, 0.9, 1.1, 1.0)
+    count = 0
+    for run in results["legs"].values():
+        for step in run["worker_steps"].get("prefill", []):
+            if step["prompts"]:
+                step["ms"] *= scatter[count % len(scatter)]
+                count += 1
+    stepped = calibration.Calibration(**fit.fitted(results))
+    quantiles = stepped.step_scatter["prefill"]
+    assert len(quantiles) == len(fit.SCATTER_QUANTILES) and quantiles == sorted(quantiles)
+    assert statistics.median(quantiles) == pytest.approx(1.0, abs=0.05) and quantiles[0] < 0.8 < 1.2 < quantiles[-1]
+    assert stepped.scatter("colocated") == pytest.approx([1.0] * len(quantiles))  # exactly at its own fit
+    # D's prompts ran exactly at 0.8 of PROMPT_FIT; their fit scales P's, which the scatter bent a little
+    assert 0.85 < min(stepped.scatter("decode")) <= max(stepped.scatter("decode")) < 1.15
+    assert calibration.load(stepped.save(tmp_path / "scattered.json")) == stepped
+    saved = json.loads((tmp_path / "scattered.json").read_text())
+    for junk in ([], "wide", {"prefill": []}, {"prefill": [0.0, 1.0]}, {"prefill": [1.0, float("inf")]},
+                 {"prefill": [True]}, {"prefill": [1.0] * 1001}):
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, "step_scatter": junk}))
+        with pytest.raises(fit.CalibrationError, match="step_scatter must map"):
+            calibration.load(tmp_path / "bad.json")
+    del saved["step_scatter"]  # saved before the field: every step takes the fit's time
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert calibration.load(tmp_path / "old.json").scatter("prefill") == []
+
+
+def test_prompt_steps_draw_their_times_from_the_scatter_seeded_and_a_small_workload_is_simulated_again(cost_model):
+    workload, leg = agent_sessions(4, 3), LEGS["pd/P-cache-off"]
+    scattered = replace(cost_model, step_scatter={"prefill": [0.5, 1.0, 2.0]})
+
+    def ttfts(model: calibration.Calibration, seed: int = 0) -> list[float]:
+        return [r.ttft_ms for r in Simulation(workload, leg, Deployment(), model, seed).run().results]
+    assert ttfts(scattered, 1) == ttfts(scattered, 1) != ttfts(scattered, 2)
+    assert ttfts(replace(scattered, step_scatter={"prefill": [1.0]})) == ttfts(cost_model)
+    # A workload of few turns is simulated MAX_REPLICATIONS times, each figure the median of the simulations';
+    # one of many turns, or without a scatter, once.
+    assert predict.replications(workload, scattered) == predict.MAX_REPLICATIONS
+    assert predict.replications(workload, cost_model) == 1
+    assert predict.replications(agent_sessions(predict.SCATTER_TURNS, 1), scattered) == 1
+    p50s = [predict.predict(Simulation(workload, leg, Deployment(), scattered, seed)).ttft_p50_ms
+            for seed in range(predict.MAX_REPLICATIONS)]
+    assert simulate(workload, leg, Deployment(), scattered).ttft_p50_ms == statistics.median(p50s)
+    assert len(set(p50s)) > 1
+
+
 def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported():
     request = {"conversation_id": "c", "turn": 1, "start_time_ms": 0.0, "ttft_ms": 300.0, "latency_ms": 400.0,
                "input_num_tokens": 1000, "output_num_tokens": 8, "prompt_tokens_computed_prefill": 1000,
@@ -371,12 +419,51 @@ def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported()
     read_only = {**request, "first_token_from": "decode", "decode_ttft_ms": 40.0, "decode_compute_ms": 0.0,
                  "p_to_d_read_ms": 10.0}
     assert rows_of({"legs": {"pd/P-cache-off": {"requests": [read_only]}}})[0].other_ms == pytest.approx(20.0)
+    # With the engine's own wait recorded, only that wait (less a read from D, done before the prompt's first step)
+    # is a queue: the workers' tokenizing and handling stay in the time outside compute and transfer.
+    def other(leg: str, **fields) -> float:
+        return rows_of({"legs": {leg: {"requests": [{**request, **fields}]}}})[0].other_ms
+    assert other("pd/P-cache-off", engine_wait_ms=112.0) == pytest.approx(38.0)
+    assert other("bidir/P-cache-off", d_to_p_read_ms=20.0, queue_ms=100.0, engine_wait_ms=50.0) == pytest.approx(100.0)
+    assert other("compute-on-D", **{**on_decode, "decode_engine_wait_ms": 50.0}) == pytest.approx(50.0)
+    for junk in (None, "5", float("nan"), -1.0, True):
+        assert other("pd/P-cache-off", engine_wait_ms=junk) == pytest.approx(30.0)
+        assert other("compute-on-D", **{**on_decode, "decode_engine_wait_ms": junk}) == pytest.approx(20.0)
 
 
 def test_a_decode_step_beside_the_other_roles_prompts_gains_the_fitted_ms():
     samples = [(batch, longest, busy, 1.0 + 0.5 * batch + 3.5 * batch * longest / 1e3 + 2.0 * busy)
                for batch in (1, 2, 4, 8) for longest in (1000, 4000, 9000) for busy in (0.0, 0.5, 1.0)]
     assert fit.fit_decode_steps(samples) == (pytest.approx(DECODE_STEP), pytest.approx(2.0))
+
+
+def test_a_decode_step_fit_runs_through_the_median_of_scattered_steps():
+    scatter = (0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.3)
+    samples = [(batch, longest, 0.0, scatter[(batch + longest // 1000) % 7] * (1.0 + 0.5 * batch + 3.5 * batch *
+                                                                               longest / 1e3))
+               for batch in (1, 2, 3, 4, 6, 8) for longest in range(1000, 9001, 1000)]
+    (a, b, k), _ = fit.fit_decode_steps(samples)
+    ratios = [ms / (a + b * batch + k * batch * longest / 1e3) for batch, longest, _, ms in samples]
+    assert statistics.median(ratios) == pytest.approx(1.0)
+
+
+def test_a_colocated_decode_step_takes_ds_shape_with_its_own_fixed_cost():
+    # A calibration run's colocated leg decodes batches of 1-4 at nearly one longest context (8.8-9.2k tokens, times
+    # scattered by 5%): its own steps cannot tell a request's cost from its attention's. Its worker is D's engine on
+    # more cores: its fixed cost and one scale of D's other terms are fitted, and a batch of 8 at 2.5k tokens, which
+    # the run never saw, comes out as it runs.
+    _, b, k = DECODE_STEP
+    true = lambda batch, longest: 9.0 + 0.6 * (b * batch + k * batch * longest / 1e3)  # noqa: E731
+    scatter = (0.95, 1.05, 1.0, 0.97, 1.03)
+    samples = [(batch, longest, 0.0, scatter[i % 5] * true(batch, longest))
+               for i, (batch, longest) in enumerate((batch, longest) for batch in (1, 2, 3, 4)
+                                                    for longest in (8800, 9000, 9200))]
+    own, per_request, attention = fit.fit_colocated_decode_steps(samples, DECODE_STEP)
+    assert per_request / attention == pytest.approx(b / k)
+    predicted = own + per_request * 8 + attention * 8 * 2500 / 1e3
+    assert predicted == pytest.approx(true(8, 2500), rel=0.05)
+    alone, _ = fit.fit_decode_steps(samples)  # fitted to its own steps alone: 1.6x
+    assert alone[0] + alone[1] * 8 + alone[2] * 8 * 2500 / 1e3 > 1.3 * true(8, 2500)
 
 
 def test_steps_in_service_calibrate_only_when_every_leg_kept_them_for_every_worker(cost_model):

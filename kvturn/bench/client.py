@@ -35,12 +35,14 @@ class RequestRecord:
     prompt_tokens_computed_prefill: int | None = None
     prompt_tokens_from_decode: int | None = None
     queue_ms: float | None = None
+    engine_wait_ms: float | None = None  # of P's queue_ms (a colocated worker's), its engine's own wait to run it
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
     d_to_p_read_step_ms: float | None = None  # of it, P's engine steps for other prompts before it was seen done
     p_to_d_read_ms: float | None = None
     prefill_request_ms: float | None = None  # the router's round trip to P
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
+    decode_engine_wait_ms: float | None = None  # ...of it, D's engine's own wait to run it
     decode_compute_ms: float | None = None  # D computing prompt tokens itself (the compute-on-decode path)
     decode_tokens_computed: int | None = None  # ...and how many it computed
     path: str | None = None  # the router's choice: recompute, pull or compute_on_decode
@@ -194,6 +196,9 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.prompt_tokens_computed_prefill = kvturn.get("prompt_tokens_computed_prefill")
         record.prompt_tokens_from_decode = kvturn.get("prompt_tokens_from_decode")
         record.queue_ms = timing.get("queue_ms")
+        # P's own account (the router passes it whole), or a colocated worker's, which is its timing
+        own = kvturn.get("prefill_timing")
+        record.engine_wait_ms = (own if isinstance(own, dict) and own else timing).get("engine_wait_ms")
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
         record.d_to_p_read_step_ms = timing.get("d_to_p_read_step_ms")
@@ -202,6 +207,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.decode_ttft_ms = timing.get("decode_ttft_ms")
         decode_timing = (kvturn.get("decode") or {}).get("timing") or {}
         record.decode_compute_ms = decode_timing.get("prefill_compute_ms")
+        record.decode_engine_wait_ms = decode_timing.get("engine_wait_ms")
         record.decode_tokens_computed = (kvturn.get("decode") or {}).get("prompt_tokens_computed")
         path = kvturn.get("path") or {}
         record.path = path.get("chosen")

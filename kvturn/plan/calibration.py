@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.plan.fit import MAX_IDLE_MS, CalibrationError, fitted
+from kvturn.plan.fit import MAX_IDLE_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, CalibrationError, fitted
 from kvturn.plan.rows import rows_of
 
 KIND = "kvturn-calibration"
@@ -51,6 +51,11 @@ class Calibration:
     # attention terms to the prompts' compute, not a second fixed cost (fitted so from steps in service); False, as
     # fitted from requests or saved before: they add a whole decode step
     decodes_share_fixed_cost: bool = False
+    # Per kind of worker, how its prompt steps in service scattered about the fit: quantiles of measured over fitted
+    # time, their median 1. The simulation draws each prompt step's time from them: steps of fixed times keep
+    # closed-loop sessions in lockstep, which a real machine's scatter breaks up into queues. Empty (fitted from
+    # requests, or saved before): every step takes the fit's time.
+    step_scatter: dict[str, list[float]] = field(default_factory=dict)
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -95,6 +100,11 @@ class Calibration:
             return 0.0
         step_ms = self.decode_steps_ms(worker, 1, batch, context, longest)
         return step_ms - self.step_fit(worker)[0] if self.decodes_share_fixed_cost else step_ms
+
+    def scatter(self, worker: str) -> list[float]:
+        """The quantiles a prompt step of `worker` draws its time's factor from; a kind the calibration run did not
+        measure has P's; none: the fit's time."""
+        return self.step_scatter.get(worker) or self.step_scatter.get("prefill") or []
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -161,6 +171,12 @@ def load(path: Path) -> Calibration:
         for name in ("decode_fit_alone", "decode_step_padded", "decodes_share_fixed_cost"):
             if type(getattr(calibration, name)) is not bool:
                 raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
+        scatter = calibration.step_scatter
+        if not isinstance(scatter, dict) or not all(
+                isinstance(q, list) and 0 < len(q) <= MAX_SCATTER_QUANTILES and
+                all(type(v) in (int, float) and 0 < v <= MAX_SCATTER for v in q) for q in scatter.values()):
+            raise CalibrationError(f"{path}: step_scatter must map kinds of worker to lists of 1 to "
+                                   f"{MAX_SCATTER_QUANTILES} factors within (0, {MAX_SCATTER:g}]")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):

@@ -19,6 +19,9 @@ MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from whic
 MAX_IDLE_MS = 1000.0  # what starting a step idle may add
 MAX_BATCHED_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a step's token budget (chunked prefill)
 MIN_PROMPT_SHARE = 0.25  # of a measured prompt step, the least left once the decodes beside or starting idle are out
+SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps over its fit, kept for the simulation
+MAX_SCATTER_QUANTILES = 1000
+MAX_SCATTER = 100.0  # the most a saved quantile may say a step took over its fit
 
 
 class CalibrationError(ValueError):
@@ -236,7 +239,38 @@ def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[tupl
     instead, a fit of a calibration run's batches of one or two put the decode steps of `concurrent`'s eight
     sessions 27% high in all, and padded within 1%."""
     x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
-    return _decode_step_lstsq(x, np.array([ms for *_, ms in samples]))
+    ms = np.array([ms for *_, ms in samples])
+    # Relative error, as the compute fits: an absolute fit lets the long steps of long contexts decide, and there
+    # a request's own cost and its attention's are told apart by the few batch sizes one run saw. Fitted so to three
+    # calibration runs' batches of 1-4, mostly at 8-9k tokens, D's decode steps in `concurrent` (batches of up to 8
+    # at 2-3k) ran 0.85 of the fit in all, 0.63-1.00 by leg; fitted relatively, 1.00 in all (2026-12-02).
+    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3]
+    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
+    coefficients *= _median_ratio(ms, x @ coefficients)
+    return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
+
+
+def fit_colocated_decode_steps(samples: list[tuple[int, int, float, float]], decode_step: tuple[float, float, float]
+                               ) -> tuple[float, float, float]:
+    """A colocated worker's decode step (a, b, k) from its decode-only steps: its own fixed cost, and D's
+    per-request and attention terms scaled by one factor (the same engine, on more cores). One colocated leg a
+    calibration run decodes batches of up to four at nearly the same longest context, which cannot tell a
+    request's own cost from its attention's: fitted alone to three calibration runs' such steps, the colocated
+    worker's decode steps in `concurrent` (batches of up to 8 at 2-3k tokens) ran 0.72 of the fit; so, 0.92
+    (2026-12-02)."""
+    _, b, k = decode_step
+    x = np.array([[1.0, b * batch + k * batch * longest / 1e3] for batch, longest, _, _ in samples])
+    ms = np.array([ms for *_, ms in samples])
+    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), [0, 1])
+    own, scale = coefficients * _median_ratio(ms, x @ coefficients)
+    return float(own), float(scale * b), float(scale * k)
+
+
+def _median_ratio(measured: np.ndarray, fitted: np.ndarray) -> float:
+    """The median of measured over fitted, where the fit is positive (1 with none): the factor that puts a fit
+    through the median of its samples."""
+    ratios = measured[fitted > 0] / fitted[fitted > 0]
+    return float(np.median(ratios)) if len(ratios) else 1.0
 
 
 def prompt_step_ms(step: step_samples.Step, decode_step: tuple[float, float, float] | None) -> float:
@@ -361,7 +395,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
         return None
     decode_step, contention = fit_decode_steps(samples.decodes["decode"])
     colocated = samples.decodes["colocated"]
-    colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    colocated_step = fit_colocated_decode_steps(colocated, decode_step) if len(colocated) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": None, "decode": decode_step, "colocated": colocated_step or decode_step}
     prompts = {kind: [(step.prompts, prompt_step_ms(step, own_step[kind])) for step in steps]
                for kind, steps in samples.prompts.items()}
@@ -374,11 +408,22 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
               if (fitted := predict_compute(fits["prefill"], chunks)) > 0]
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
-    return {"compute_fits": fits, "decode_fit_alone": True, "decode_step_fit": decode_step,
+    scatter = {kind: step_scatter(prompts[kind], fits[kind]) for kind in fits}
+    return {"compute_fits": fits, "step_scatter": scatter, "decode_fit_alone": True, "decode_step_fit": decode_step,
             "decode_step_padded": True, "decodes_share_fixed_cost": True,
             "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
             "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
             "samples": {"steps": samples.count(), **{kind: len(steps) for kind, steps in samples.prompts.items()}}}
+
+
+def step_scatter(samples: list[tuple[Chunks, float]], coefficients) -> list[float]:
+    """SCATTER_QUANTILES of the samples' time over the fit's, divided by their median (1 where the fit runs through
+    it): how a step of these shapes scatters on this machine."""
+    ratios = np.array([ms / fitted for chunks, ms in samples if (fitted := predict_compute(coefficients, chunks)) > 0])
+    if not len(ratios):
+        return [1.0]
+    quantiles = np.quantile(ratios / np.median(ratios), SCATTER_QUANTILES)
+    return [float(q) for q in np.clip(quantiles, 1e-3, MAX_SCATTER)]
 
 
 def _request_fits(runs: list[dict], by_leg: Legs) -> dict:

@@ -52,8 +52,34 @@ def predict(sim: Simulation) -> LegPrediction:
         path_counts)
 
 
+# A workload of fewer turns than this is simulated again with other draws of its steps' scatter, up to
+# MAX_REPLICATIONS times (an odd number), and each figure is the median of the simulations': the bench's figures are
+# the median of runs, and a few dozen turns' p50 moves with which of them queued.
+SCATTER_TURNS = 2000
+MAX_REPLICATIONS = 7
+
+
+def replications(workload: Workload, calibration: Calibration) -> int:
+    if not calibration.step_scatter:
+        return 1  # every simulation is the same
+    wanted = min(MAX_REPLICATIONS, -(-SCATTER_TURNS // max(workload.num_turns, 1)))
+    return wanted if wanted % 2 else wanted + 1
+
+
+def median_of(runs: list[LegPrediction]) -> LegPrediction:
+    """Each figure of `runs` (simulations of one leg) as their median; the events of all of them."""
+    def median(name: str) -> float:
+        return float(np.median([getattr(run, name) for run in runs]))
+    paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
+    return LegPrediction(runs[0].leg, median("ttft_p50_ms"), median("ttft_p90_ms"), median("later_ttft_p50_ms"),
+                         median("session_p50_s"), median("peak_retained_mib"), median("reuse_share"), runs[0].turns,
+                         sum(run.events for run in runs), paths)
+
+
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
-    return predict(Simulation(workload, leg, deployment, calibration))
+    runs = [predict(Simulation(workload, leg, deployment, calibration, seed))
+            for seed in range(replications(workload, calibration))]
+    return runs[0] if len(runs) == 1 else median_of(runs)
 
 
 PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process

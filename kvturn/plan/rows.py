@@ -24,8 +24,11 @@ class Row:
     tokens_from_decode: int
     first_token_ahead: bool = False  # the router sent P's token ahead: D's read and compute are not in the TTFT
     d_to_p_step_ms: float = 0.0  # of d_to_p_ms, P's engine steps for other prompts before the read was seen done
-    queue_ms: float = 0.0  # P's own time to its first token less its read and compute: mostly its queue
-    decode_wait_ms: float = 0.0  # ...and D's, when D computed the prompt (D's first token less its read and compute)
+    # P's wait for its engine's steps: its engine's wait to run the prompt less its read from D (a colocated
+    # worker's); from a bench that did not record the engine's wait, all of P's own time to its first token less its
+    # read and compute, which also holds its tokenizing and handling (a few ms)
+    queue_ms: float = 0.0
+    decode_wait_ms: float = 0.0  # ...and D's, when D computed the prompt
 
     @property
     def d_part_of_ttft_ms(self) -> float:
@@ -33,9 +36,9 @@ class Row:
 
     @property
     def other_ms(self) -> float:
-        """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms) nor a worker's own wait
-        for its steps, which the simulation queues of its own: the router's and the HTTP hops' time. A worker's wait
-        as it reports it also holds its tokenizing and handing the request to its engine, a few ms."""
+        """TTFT that is neither compute nor transfer (as the bench's RequestRecord.other_ms) nor a worker's wait for
+        its engine's steps, which the simulation queues of its own: the router's and the HTTP hops' time, and the
+        workers' tokenizing and handling."""
         waits = self.queue_ms + (0.0 if self.first_token_ahead else self.decode_wait_ms)
         return max(self.ttft_ms - self.prefill_compute_ms - self.d_to_p_ms - self.d_part_of_ttft_ms - waits, 0.0)
 
@@ -44,9 +47,12 @@ def _row(leg: str, r: dict) -> Row | None:
     if r.get("error") or r.get("warmup") or not r.get("ttft_ms") or not r.get("input_num_tokens"):
         return None
     computed = r.get("prompt_tokens_computed_prefill")
+    queue = _steps_wait(_ms(r.get("queue_ms")), r.get("engine_wait_ms"), _ms(r.get("d_to_p_read_ms")))
     decode_wait = 0.0
     if decode_compute := _ms(r.get("decode_compute_ms")):  # D computed the prompt (compute on decode): it queued
-        decode_wait = _ms(r.get("decode_ttft_ms")) - decode_compute - _ms(r.get("p_to_d_read_ms"))
+        read_ms = _ms(r.get("p_to_d_read_ms"))
+        decode_wait = _steps_wait(_ms(r.get("decode_ttft_ms")) - decode_compute - read_ms,
+                                  r.get("decode_engine_wait_ms"), read_ms)
     if computed is None and r.get("approx_cached_percent") is not None and r.get("prefill_compute_ms"):
         computed = round(r["input_num_tokens"] * (1 - r["approx_cached_percent"] / 100))  # a colocated worker
     return Row(leg, str(r.get("conversation_id")), int(r.get("turn") or 0), float(r.get("start_time_ms") or 0.0),
@@ -55,8 +61,17 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
                r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
                r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
-               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, _ms(r.get("queue_ms")),
+               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, queue,
                max(decode_wait, 0.0))
+
+
+def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:
+    """Of a worker's own time to its first token less its read and compute (`own_wait_ms`), the wait for its
+    engine's steps: the engine's wait to run the prompt (which holds the read, done before its first step) less
+    the read. Without a plausible engine wait, all of it."""
+    if not number_within(engine_wait_ms, 0.0, 1e9):
+        return own_wait_ms
+    return min(own_wait_ms, max(engine_wait_ms - read_ms, 0.0))
 
 
 def number_within(value, least: float, most: float) -> bool:

@@ -4,6 +4,7 @@ backlog, least-loaded picks, run on the simulated clock), prefill and decode wor
 retention leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a
 trace's own start times. A plain heapq loop: the whole state is a few dicts and lists."""
 import heapq
+import random
 from dataclasses import dataclass
 
 from kvturn.bench.compare import Leg
@@ -151,8 +152,11 @@ class RouterPool:
 
 
 class Simulation:
-    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration):
+    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
+                 seed: int = 0):
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
+        self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
+        self._scatter = {kind: calibration.scatter(kind) for kind in ("prefill", "decode", "colocated")}
         self.now = 0.0
         self.events = 0
         self._queue: list = []
@@ -200,7 +204,11 @@ class Simulation:
 
     def prompt_step_ms(self, loop: StepLoop, compute_ms: float, after_idle: bool) -> float:
         """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: started after idling or
-        back to back, with the other role busy on the same cores or not."""
+        back to back, with the other role busy on the same cores or not, scattered as the calibration's steps of
+        that kind of worker (a factor drawn from its quantiles)."""
+        scatter = self._scatter[loop.kind]
+        if scatter:
+            compute_ms *= self._draw(scatter)
         if after_idle:
             return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
         return compute_ms * self.contention(loop)[0]
