@@ -26,7 +26,8 @@ is kept with --reuse-measured:
 
     python benchmarks/plan_accuracy.py                   # one round, ~16 min on 2 cores
     python benchmarks/plan_accuracy.py --measure-only --workloads sweep --legs colocated,pd/P-cache-on
-    python benchmarks/plan_accuracy.py --reuse-measured  # plan again against the runs already in OUT
+    python benchmarks/plan_accuracy.py --reuse-measured  # plan again, measuring only the runs OUT lacks
+    python benchmarks/plan_accuracy.py --plan-only --repeats 3  # plan again against the runs in OUT, measuring none
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
 """
 import argparse
@@ -43,8 +44,12 @@ from kvturn.plan.calibration import Calibration, load_many
 # Turns per session, where the bench's default (4) does not serve: in `concurrent` the eight sessions start together,
 # so their first two turns queue and the last two do not, and the TTFT p50 of 4 x 8 turns is the mean of the 16th
 # and 17th, one from either side of that gap (the simulation put them at 223 and 384 ms): it tells on which side
-# one turn fell, not how fast the turns ran. With 6 turns the p50 falls among the later turns.
-TURNS = {"concurrent": 6}
+# one turn fell, not how fast the turns ran. With 6 turns the p50 falls among the later turns. The demo sweep
+# likewise: where the history is reused, its four sessions' later turns come in four clusters by history length, and
+# at 4 turns the p50 of 16 turns is the mean of the two slowest of the third session's three, next to the jump to
+# the fourth's (80 and 108 ms in the simulation of colocated); one slow turn of those three moved a run's p50 by a
+# quarter (81-126 ms in three runs of 2026-12-02). At 6 turns it is the mean of the middle two of that session's five.
+TURNS = {"concurrent": 6, "sweep": 6}
 LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off", "compute-on-D")
 WORKLOADS = ("sweep", "agent-loop", "concurrent")
 TOLERANCE = 0.15
@@ -195,13 +200,18 @@ def main() -> None:
     parser.add_argument("--reuse-measured", action="store_true",
                         help="keep the runs of rounds 1..--repeats already in --out (and plan against them)")
     parser.add_argument("--measure-only", action="store_true", help="measure, then stop before planning")
+    parser.add_argument("--plan-only", action="store_true", help="plan against the runs of rounds 1..--repeats "
+                                                                  "already in --out, measuring none that is missing")
     parser.add_argument("--pin-workers", action="store_true", help="P and D on cores of their own in every bench run")
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     workloads = names(args.workloads, WORKLOADS)
-    measure(args.out, workloads, names(args.legs, LEGS), args.repeats, args.reuse_measured or args.measure_only,
-            args.pin_workers)
+    if args.plan_only and args.measure_only:
+        raise SystemExit("--plan-only and --measure-only exclude each other")
+    if not args.plan_only:
+        measure(args.out, workloads, names(args.legs, LEGS), args.repeats, args.reuse_measured or args.measure_only,
+                args.pin_workers)
     if args.measure_only:
         return
     calibrations = calibration_runs(args.out, args.repeats)
