@@ -396,6 +396,7 @@ def test_prompt_steps_draw_their_times_from_the_scatter_seeded_and_a_small_workl
     # one of many turns, or without a scatter, once.
     assert predict.replications(workload, scattered) == predict.MAX_REPLICATIONS
     assert predict.replications(workload, cost_model) == 1
+    assert predict.replications(workload, replace(cost_model, step_scatter={"prefill": [1.0, 1.0]})) == 1
     assert predict.replications(agent_sessions(predict.SCATTER_TURNS, 1), scattered) == 1
     p50s = [predict.predict(Simulation(workload, leg, Deployment(), scattered, seed)).ttft_p50_ms
             for seed in range(predict.MAX_REPLICATIONS)]
@@ -464,6 +465,7 @@ def test_a_colocated_decode_step_takes_ds_shape_with_its_own_fixed_cost():
     assert predicted == pytest.approx(true(8, 2500), rel=0.05)
     alone, _ = fit.fit_decode_steps(samples)  # fitted to its own steps alone: 1.6x
     assert alone[0] + alone[1] * 8 + alone[2] * 8 * 2500 / 1e3 > 1.3 * true(8, 2500)
+    assert fit.fit_colocated_decode_steps(samples, (1.0, 0.0, 0.0)) == pytest.approx(alone)  # no shape to borrow
 
 
 def test_steps_in_service_calibrate_only_when_every_leg_kept_them_for_every_worker(cost_model):

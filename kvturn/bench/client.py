@@ -35,7 +35,7 @@ class RequestRecord:
     prompt_tokens_computed_prefill: int | None = None
     prompt_tokens_from_decode: int | None = None
     queue_ms: float | None = None
-    engine_wait_ms: float | None = None  # of P's queue_ms (a colocated worker's), its engine's own wait to run it
+    engine_wait_ms: float | None = None  # P's (a colocated worker's) engine's own wait to run it: queue, read from D
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
     d_to_p_read_step_ms: float | None = None  # of it, P's engine steps for other prompts before it was seen done

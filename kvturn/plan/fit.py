@@ -259,6 +259,8 @@ def fit_colocated_decode_steps(samples: list[tuple[int, int, float, float]], dec
     worker's decode steps in `concurrent` (batches of up to 8 at 2-3k tokens) ran 0.72 of the fit; so, 0.92
     (2026-12-02)."""
     _, b, k = decode_step
+    if b == k == 0:  # D's steps said nothing of batch or context: no shape to borrow
+        return fit_decode_steps(samples)[0]
     x = np.array([[1.0, b * batch + k * batch * longest / 1e3] for batch, longest, _, _ in samples])
     ms = np.array([ms for *_, ms in samples])
     coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), [0, 1])

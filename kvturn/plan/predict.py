@@ -60,7 +60,7 @@ MAX_REPLICATIONS = 7
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
-    if not calibration.step_scatter:
+    if not any(len(set(calibration.scatter(kind))) > 1 for kind in ("prefill", "decode", "colocated")):
         return 1  # every simulation is the same
     wanted = min(MAX_REPLICATIONS, -(-SCATTER_TURNS // max(workload.num_turns, 1)))
     return wanted if wanted % 2 else wanted + 1
