@@ -5,6 +5,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -139,10 +140,10 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
     (tmp_path / "old.json").write_text(json.dumps(saved))
     old = calibration.load(tmp_path / "old.json")
     assert all(fit_[2] == fit_[3] for fit_ in old.compute_fits.values())
-    saved["compute_fits"]["prefill"] = [1.0, "fast"]
-    (tmp_path / "bad.json").write_text(json.dumps(saved))
-    with pytest.raises(fit.CalibrationError, match="compute_fits"):
-        calibration.load(tmp_path / "bad.json")
+    for junk in ({**saved["compute_fits"], "prefill": [1.0, "fast"]}, {**saved["compute_fits"], "gpu": [1.0] * 4}):
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": junk}))
+        with pytest.raises(fit.CalibrationError, match="compute_fits"):
+            calibration.load(tmp_path / "bad.json")
     # Saved before these were fitted (or with the ratio fitted once instead): steps after idling cost what others
     # do, or that times 1 + the slowdown with the other role busy.
     del saved["idle_step_ms"], saved["busy_idle_step_ms"]
@@ -152,7 +153,10 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
     assert older.idle_step_ms == 0.0 and older.busy_idle_step_ms is None
     assert older.after_idle_ms(100.0, True) == pytest.approx(100.0 * (1 + older.contention["prefill_slowdown"]))
     for name, value in [("idle_step_ms", v) for v in ("x", True, float("nan"), -0.5, 5000.0)] + \
-                       [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)]:
+                       [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)] + \
+                       [("other_ms", v) for v in ([], {"colocated": -1.0}, {"colocated": "5"})] + \
+                       [("other_ms_per_request", v) for v in ("x", {"colocated": float("nan")})] + \
+                       [("other_load_seen", v) for v in (None, -1.0, True)]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
         with pytest.raises(fit.CalibrationError, match=name):
             calibration.load(tmp_path / "bad.json")
@@ -179,14 +183,16 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
     pooled = calibration.load_many(paths)
     for n, context in ((4000, 0), (200, 3800)):
         assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
-    # The time outside compute and transfer comes from requests alone in their run, in any run: one whose requests
-    # all overlapped (queued behind each other) does not outvote them.
+    # The time outside compute and transfer grows with the requests in flight: a run whose requests all arrived
+    # together (eleven others in flight), each 22 ms slower outside compute, says what each of them adds.
     crowded = json.loads(FIXTURE.read_text())
     for request in crowded["legs"]["pd/P-cache-on"]["requests"]:
-        request["start_time_ms"] = 0.0
+        request["start_time_ms"], request["ttft_ms"] = 0.0, request["ttft_ms"] + 22.0
     (tmp_path / "crowded.json").write_text(json.dumps(crowded))
-    assert calibration.load_many([paths[0], tmp_path / "crowded.json"]).other_ms["pd/P-cache-on"] == \
-        cost_model.other_ms["pd/P-cache-on"]
+    both = calibration.load_many([paths[0], tmp_path / "crowded.json"])
+    assert cost_model.other_load_seen == 1 and both.other_load_seen == 11
+    assert both.other("pd/P-cache-on", 11) - both.other("pd/P-cache-on", 1) == pytest.approx(22.0, abs=3.0)
+    assert both.other("pd/P-cache-on", 30) == both.other("pd/P-cache-on", 11)  # no further than the runs saw
     with pytest.raises(fit.CalibrationError, match="only kvturn bench results"):
         calibration.load_many([paths[0], cost_model.save(tmp_path / "saved.json")])
     (tmp_path / "empty.json").write_text(json.dumps({"legs": {}}))
@@ -375,7 +381,7 @@ def test_a_calibration_from_steps_in_service_keeps_how_they_scattered_about_the_
     assert calibration.load(stepped.save(tmp_path / "scattered.json")) == stepped
     saved = json.loads((tmp_path / "scattered.json").read_text())
     for junk in ([], "wide", {"prefill": []}, {"prefill": [0.0, 1.0]}, {"prefill": [1.0, float("inf")]},
-                 {"prefill": [True]}, {"prefill": [1.0] * 1001}):
+                 {"prefill": [True]}, {"prefill": [1.0] * 1001}, {"prefil": [1.0]}):
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "step_scatter": junk}))
         with pytest.raises(fit.CalibrationError, match="step_scatter must map"):
             calibration.load(tmp_path / "bad.json")
@@ -432,6 +438,31 @@ def test_the_time_outside_compute_and_transfer_leaves_out_the_queue_p_reported()
         assert other("compute-on-D", **{**on_decode, "decode_engine_wait_ms": junk}) == pytest.approx(20.0)
 
 
+def test_the_time_outside_compute_is_a_line_through_the_median_of_each_load():
+    scatter = (0.8, 0.9, 1.0, 1.1, 1.2, 1.0)
+    samples = [(load, (8.0 + 2.0 * load) * factor) for load in range(4) for factor in scatter]
+    samples += [(load, 150.0) for load in range(4)]  # first turns' long prompts, tokenized and sent
+    samples += [(9, 500.0)] * (fit.MIN_FIT_SAMPLES - 1)  # too few at that load to count
+    assert fit.fit_other(samples) == pytest.approx((8.0, 2.0), rel=0.1)
+    assert fit.fit_other([(3, ms) for ms in (10.0, 11.0, 30.0)]) == (11.0, 0.0)  # one load: its median
+    assert fit.fit_other([(load, 20.0 - load) for load in range(4) for _ in range(5)])[1] == 0.0  # never negative
+
+
+def test_a_turns_time_outside_compute_grows_with_the_turns_in_flight_beside_it(cost_model):
+    leg = LEGS["pd/P-cache-off"]
+    loaded = replace(cost_model, other_ms_per_request={leg.name: 40.0}, other_load_seen=2.0)
+
+    def ttfts(workload, model: calibration.Calibration) -> list[float]:
+        return [r.ttft_ms for r in Simulation(workload, leg, Deployment(), model).run().results]
+    alone = agent_sessions(1, 3)
+    assert ttfts(alone, loaded) == ttfts(alone, cost_model)
+    # Sessions 0.2 s apart, each a short prompt and a long answer: each finds P idle and those before it decoding,
+    # and its turn takes 40 ms more for each, up to two.
+    staggered = Workload("staggered", [Session(f"s{i}", [TurnDemand(100, 500, 0, 0.0)], 0.2 * i) for i in range(4)])
+    added = [b - a for a, b in zip(ttfts(staggered, cost_model), ttfts(staggered, loaded))]
+    assert added == pytest.approx([0.0, 40.0, 80.0, 80.0])
+
+
 def test_a_decode_step_beside_the_other_roles_prompts_gains_the_fitted_ms():
     samples = [(batch, longest, busy, 1.0 + 0.5 * batch + 3.5 * batch * longest / 1e3 + 2.0 * busy)
                for batch in (1, 2, 4, 8) for longest in (1000, 4000, 9000) for busy in (0.0, 0.5, 1.0)]
@@ -446,6 +477,19 @@ def test_a_decode_step_fit_runs_through_the_median_of_scattered_steps():
     (a, b, k), _ = fit.fit_decode_steps(samples)
     ratios = [ms / (a + b * batch + k * batch * longest / 1e3) for batch, longest, _, ms in samples]
     assert statistics.median(ratios) == pytest.approx(1.0)
+
+
+def test_a_decode_step_fit_weighs_errors_relatively_so_a_few_long_steps_do_not_decide_the_short_ones():
+    true = lambda batch, longest: 1.0 + 0.5 * batch + 3.5 * batch * longest / 1e3  # noqa: E731
+    short = [(batch, longest, 0.0, true(batch, longest)) for batch in (1, 2) for longest in (500, 1000, 1500)] * 3
+    samples = short + [(8, 9000, 0.0, true(8, 9000) * scatter) for scatter in (0.7, 1.3, 1.4)]
+
+    def worst(step: tuple[float, float, float]) -> float:
+        a, b, k = step
+        return max(abs((a + b * batch + k * batch * longest / 1e3) / ms - 1) for batch, longest, _, ms in short)
+    assert worst(fit.fit_decode_steps(samples)[0]) < 0.04
+    x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
+    assert worst(fit._decode_step_lstsq(x, np.array([ms for *_, ms in samples]))[0]) > 0.08  # absolute: 9% off
 
 
 def test_a_colocated_decode_step_takes_ds_shape_with_its_own_fixed_cost():

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.plan.fit import MAX_IDLE_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, CalibrationError, fitted
-from kvturn.plan.rows import rows_of
+from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, WORKER_KINDS,
+                             CalibrationError, fitted)
+from kvturn.plan.rows import number_within, rows_of
 
 KIND = "kvturn-calibration"
 
@@ -29,7 +30,8 @@ class Calibration:
     contention: dict[str, float]
     read_ms_per_mib: dict[str, float]  # "d_to_p", "p_to_d"
     kv_bytes_per_token: float
-    other_ms: dict[str, float]  # per leg: time to first token outside compute, transfer and the workers' queues
+    # per leg: time to first token outside compute, transfer and the workers' queues, of a request alone
+    other_ms: dict[str, float]
     # The decode fit is of prompts computed alone (D's start-up steps, or its steps in service less the decodes
     # beside), not beside D's running decodes: a step of D's then costs the prompt's compute plus what the decodes
     # add (decodes_beside_prompts_ms), as on the other kinds of worker. False: a fit of D's requests, which holds
@@ -56,6 +58,11 @@ class Calibration:
     # closed-loop sessions in lockstep, which a real machine's scatter breaks up into queues. Empty (fitted from
     # requests, or saved before): every step takes the fit's time.
     step_scatter: dict[str, list[float]] = field(default_factory=dict)
+    # per leg, what each other request in flight adds to other_ms (the router, the client and the workers' HTTP
+    # handling share the cores with the steps), for up to other_load_seen of them per worker computing prompts, the
+    # most the calibration run saw; empty, as saved before: other_ms whatever the load
+    other_ms_per_request: dict[str, float] = field(default_factory=dict)
+    other_load_seen: float = 0.0
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -109,13 +116,19 @@ class Calibration:
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
 
-    def other(self, leg: str) -> float:
-        """A leg the calibration run did not measure takes the median of those it did."""
-        return self.other_ms.get(leg, float(np.median(list(self.other_ms.values()))) if self.other_ms else 0.0)
+    def other(self, leg: str, load: float = 0.0) -> float:
+        """The leg's time outside compute, transfer and queues of a request that finds `load` others in flight per
+        worker computing prompts. A leg the calibration run did not measure takes the median of those it did."""
+        alone = _of_leg(self.other_ms, leg)
+        return alone + _of_leg(self.other_ms_per_request, leg) * min(load, self.other_load_seen)
 
     def save(self, path: Path) -> Path:
         Path(path).write_text(json.dumps({"kind": KIND, **asdict(self)}, indent=2))
         return Path(path)
+
+
+def _of_leg(per_leg: dict[str, float], leg: str) -> float:
+    return per_leg.get(leg, float(np.median(list(per_leg.values()))) if per_leg else 0.0)
 
 
 def _read_object(path: Path, expected: str) -> dict:
@@ -158,11 +171,11 @@ def load(path: Path) -> Calibration:
         except TypeError as exc:
             raise CalibrationError(f"{path}: malformed calibration ({exc})") from None
         fits = calibration.compute_fits
-        if not isinstance(fits, dict) or "prefill" not in fits or not all(
+        if not isinstance(fits, dict) or "prefill" not in fits or not set(fits) <= set(WORKER_KINDS) or not all(
                 isinstance(c, list) and len(c) in (3, 4) and all(type(v) in (int, float) for v in c)
                 for c in fits.values()):
-            raise CalibrationError(f"{path}: compute_fits must map prefill (and other kinds) to 4 numbers "
-                                   "(a, b, c, q; or 3, a, b, k, as saved before)")
+            raise CalibrationError(f"{path}: compute_fits must map prefill (and {', '.join(WORKER_KINDS[1:])}) to "
+                                   "4 numbers (a, b, c, q; or 3, a, b, k, as saved before)")
         # (a, b, k), as saved before c and q were fitted apart, is c = q = k
         calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1]) for kind, c in fits.items()}
         calibration.decode_step_fit = tuple(calibration.decode_step_fit)
@@ -172,11 +185,17 @@ def load(path: Path) -> Calibration:
             if type(getattr(calibration, name)) is not bool:
                 raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
         scatter = calibration.step_scatter
-        if not isinstance(scatter, dict) or not all(
+        if not isinstance(scatter, dict) or not set(scatter) <= set(WORKER_KINDS) or not all(
                 isinstance(q, list) and 0 < len(q) <= MAX_SCATTER_QUANTILES and
                 all(type(v) in (int, float) and 0 < v <= MAX_SCATTER for v in q) for q in scatter.values()):
-            raise CalibrationError(f"{path}: step_scatter must map kinds of worker to lists of 1 to "
-                                   f"{MAX_SCATTER_QUANTILES} factors within (0, {MAX_SCATTER:g}]")
+            raise CalibrationError(f"{path}: step_scatter must map kinds of worker ({', '.join(WORKER_KINDS)}) to "
+                                   f"lists of 1 to {MAX_SCATTER_QUANTILES} factors within (0, {MAX_SCATTER:g}]")
+        for name in ("other_ms", "other_ms_per_request"):
+            per_leg = getattr(calibration, name)
+            if not isinstance(per_leg, dict) or not all(number_within(v, 0.0, MAX_OTHER_MS) for v in per_leg.values()):
+                raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
+        if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):
+            raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):

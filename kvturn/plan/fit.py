@@ -3,6 +3,8 @@ service (step_samples.py), when the bench kept them, give the compute and decode
 per-request rows do: how many prompt tokens each worker computed and in how long, TTFT and TPOT, and when each
 request ran, from which the batch, and whether the other role was busy on the shared cores, are worked out. The
 requests give the rest either way: what was read each way, and the time outside compute and transfer."""
+from collections import Counter
+
 import numpy as np
 
 from kvturn.bench.compare import LEGS
@@ -22,6 +24,10 @@ MIN_PROMPT_SHARE = 0.25  # of a measured prompt step, the least left once the de
 SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps over its fit, kept for the simulation
 MAX_SCATTER_QUANTILES = 1000
 MAX_SCATTER = 100.0  # the most a saved quantile may say a step took over its fit
+MAX_OTHER_MS = 1e6  # of a saved time outside compute, or what a request in flight adds to it
+
+
+WORKER_KINDS = ("prefill", "decode", "colocated")  # the kinds of worker a compute fit is for
 
 
 class CalibrationError(ValueError):
@@ -56,9 +62,14 @@ def fit_through_median(samples: list[tuple[Chunks, float]]) -> tuple[float, floa
     squares come out low when times scatter, by ~1.5 x their variance in logs (2% at a spread of 0.11, as P's steps
     in service on the dev machine; 6% at 0.2), and the plan predicts medians."""
     coefficients = fit_compute(samples)
-    ratios = [ms / fitted for chunks, ms in samples if (fitted := predict_compute(coefficients, chunks)) > 0]
-    scale = float(np.median(ratios)) if ratios else 1.0
+    ratios = _ratios(samples, coefficients)
+    scale = float(np.median(ratios)) if len(ratios) else 1.0
     return tuple(c * scale for c in coefficients)
+
+
+def _ratios(samples: list[tuple[Chunks, float]], coefficients) -> np.ndarray:
+    """Each sample's time over what the fit puts it at, where the fit is positive."""
+    return np.array([ms / fitted for chunks, ms in samples if (fitted := predict_compute(coefficients, chunks)) > 0])
 
 
 def predict_compute(coefficients, chunks: Chunks) -> float:
@@ -225,11 +236,24 @@ def fit_decode_step(by_leg: Legs) -> tuple[tuple[float, float, float], float]:
     return _decode_step_lstsq(np.array(features), np.array(tpot))
 
 
-def _decode_step_lstsq(x: np.ndarray, ms: np.ndarray) -> tuple[tuple[float, float, float], float]:
-    """((a, b, k), contention) of ms = a + b x[:, 1] + k x[:, 2] + contention x[:, 3], none negative."""
-    # Batches that barely varied cannot tell a cost per request from the fixed one: the context term carries it.
-    coefficients = nonnegative_lstsq(x, ms, [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3])
+def _decode_step_lstsq(x: np.ndarray, ms: np.ndarray, relative: bool = False
+                       ) -> tuple[tuple[float, float, float], float]:
+    """((a, b, k), contention) of ms = a + b x[:, 1] + k x[:, 2] + contention x[:, 3], none negative; `relative`:
+    fitted to relative error, then put through the median of the samples."""
+    active = _batch_columns(x)
+    if not relative:
+        coefficients = nonnegative_lstsq(x, ms, active)
+    else:
+        coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
+        coefficients *= _median_ratio(ms, x @ coefficients)
     return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
+
+
+def _batch_columns(x: np.ndarray) -> list[int]:
+    """The columns of a decode step fit (x[:, 1] the batch) to fit: batches that barely varied cannot tell a cost
+    per request from the fixed one, and the context term carries it."""
+    columns = list(range(x.shape[1]))
+    return columns if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [c for c in columns if c != 1]
 
 
 def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[tuple[float, float, float], float]:
@@ -244,10 +268,7 @@ def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[tupl
     # a request's own cost and its attention's are told apart by the few batch sizes one run saw. Fitted so to three
     # calibration runs' batches of 1-4, mostly at 8-9k tokens, D's decode steps in `concurrent` (batches of up to 8
     # at 2-3k) ran 0.85 of the fit in all, 0.63-1.00 by leg; fitted relatively, 1.00 in all (2026-12-02).
-    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3]
-    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
-    coefficients *= _median_ratio(ms, x @ coefficients)
-    return tuple(float(c) for c in coefficients[:3]), float(coefficients[3])
+    return _decode_step_lstsq(x, ms, relative=True)
 
 
 def fit_colocated_decode_steps(samples: list[tuple[int, int, float, float]], decode_step: tuple[float, float, float]
@@ -309,7 +330,7 @@ def fit_colocated_step(by_leg: Legs) -> tuple[float, float, float] | None:
     if len(tpot) < MIN_FIT_SAMPLES:
         return None
     x, y = np.array(features), np.array(tpot)
-    coefficients = nonnegative_lstsq(x, y, [0, 1, 2] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2])
+    coefficients = nonnegative_lstsq(x, y, _batch_columns(x))
     return tuple(float(c) for c in coefficients)
 
 
@@ -318,12 +339,6 @@ def batch_during_decode(row: Row, leg_rows: list[Row]) -> tuple[float, float]:
     decode they overlapped."""
     batch, context = decodes_beside(decode_interval(row), row, leg_rows)
     return 1.0 + batch, row.input_tokens + row.output_tokens / 2 + context
-
-
-def _alone(row: Row, leg_rows: list[Row]) -> bool:
-    """No other request of the leg was in flight while this one waited for its first token."""
-    mine = (row.start_ms, row.start_ms + row.ttft_ms)
-    return busy_share(mine, [(o.start_ms, o.start_ms + o.latency_ms) for o in leg_rows if o is not row]) == 0
 
 
 def _read_rate(pairs: list[tuple[float, int]]) -> float | None:
@@ -361,15 +376,43 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     clean = [r for r in reads if not r.d_to_p_step_ms]
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
-    quiet: dict[str, list[float]] = {}
-    every: dict[str, list[float]] = {}
-    for leg, leg_rows in by_leg:  # requests alone in any run; a leg with none in every run takes all its requests
-        quiet.setdefault(leg, []).extend(r.other_ms for r in leg_rows if _alone(r, leg_rows))
-        every.setdefault(leg, []).extend(r.other_ms for r in leg_rows)
-    other = {leg: float(np.median(quiet[leg] or every[leg])) for leg in every}
+    loads: dict[str, list[tuple[int, float]]] = {}
+    for leg, leg_rows in by_leg:
+        loads.setdefault(leg, []).extend((in_flight(r, leg_rows), r.other_ms) for r in leg_rows)
+    other = {leg: fit_other(samples) for leg, samples in loads.items()}
+    seen = [load for samples in loads.values() for load, count in Counter(n for n, _ in samples).items()
+            if count >= MIN_FIT_SAMPLES]
     return {**fits, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
-            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": other, "source": source,
+            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _) in other.items()},
+            "other_ms_per_request": {leg: b for leg, (_, b) in other.items()},
+            "other_load_seen": float(max(seen, default=0)), "source": source,
             "samples": {"requests": len(rows), **fits["samples"]}}
+
+
+def in_flight(row: Row, leg_rows: list[Row]) -> int:
+    """The leg's other requests in flight when `row` arrived (the bench runs one worker per role)."""
+    return sum(1 for other in leg_rows if other is not row and other.start_ms <= row.start_ms < other.start_ms +
+               other.latency_ms)
+
+
+def fit_other(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(ms alone, ms each other request in flight adds) of a leg's time outside compute, transfer and queues, from
+    (requests in flight at arrival, ms): a line through the median of each load that MIN_FIT_SAMPLES requests or
+    more found, weighed by their number (a request's time outside scatters widely: a first turn's long prompt is
+    tokenized and sent in it). With fewer than two such loads, the median of all, and nothing added. On the dev
+    machine (2026-12-02), a sweep's requests, one at a time, had ~8-10 ms of it, a calibration run's four sessions
+    at a time ~11-16, agent-loop's eight ~12-19."""
+    by_load: dict[int, list[float]] = {}
+    for load, ms in samples:
+        by_load.setdefault(load, []).append(ms)
+    loads = [n for n in sorted(by_load) if len(by_load[n]) >= MIN_FIT_SAMPLES]
+    if len(loads) < 2:
+        return float(np.median([ms for _, ms in samples])), 0.0
+    weights = np.sqrt([len(by_load[n]) for n in loads])
+    medians = np.array([np.median(by_load[n]) for n in loads])
+    x = np.array([[1.0, n] for n in loads]) * weights[:, None]
+    alone, per_request = nonnegative_lstsq(x, medians * weights, [0, 1])
+    return float(alone), float(per_request)
 
 
 def step_legs(runs: list[dict]) -> list[dict[str, list[step_samples.Step]]] | None:
@@ -406,8 +449,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
         fits["colocated"] = fit_through_median(prompts["colocated"])
     # D is the same engine on cores of its own, and computes only the later turns of one leg: too few shapes to
     # fit four terms, so they scale P's fit.
-    ratios = [ms / fitted for chunks, ms in prompts["decode"]
-              if (fitted := predict_compute(fits["prefill"], chunks)) > 0]
+    ratios = _ratios(prompts["decode"], fits["prefill"])
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
     scatter = {kind: step_scatter(prompts[kind], fits[kind]) for kind in fits}
@@ -421,7 +463,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
 def step_scatter(samples: list[tuple[Chunks, float]], coefficients) -> list[float]:
     """SCATTER_QUANTILES of the samples' time over the fit's, divided by their median (1 where the fit runs through
     it): how a step of these shapes scatters on this machine."""
-    ratios = np.array([ms / fitted for chunks, ms in samples if (fitted := predict_compute(coefficients, chunks)) > 0])
+    ratios = _ratios(samples, coefficients)
     if not len(ratios):
         return [1.0]
     quantiles = np.quantile(ratios / np.median(ratios), SCATTER_QUANTILES)

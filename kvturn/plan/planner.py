@@ -28,9 +28,9 @@ LEFT_OUT = (
     "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
     "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
-    "router, HTTP and the workers' tokenizing as one constant per leg (its calibrated median), not a queue (from a "
-    "bench run that did not record the engines' own wait, a worker's tokenizing is counted as its queue, and left "
-    "out)",
+    "router, HTTP and the workers' tokenizing as a time per leg that grows by calibrated ms with each request in "
+    "flight beside the turn, up to the most the calibration run saw, not a queue of its own (from a bench run that "
+    "did not record the engines' own wait, a worker's tokenizing is counted as its queue, and left out)",
     "the scatter of decode steps (prompt steps draw their times from the calibration's scatter; decode steps take "
     "the fit's)",
     "with a calibration from requests alone (a bench that kept no steps in service), a decode step's attention "

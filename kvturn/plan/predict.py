@@ -9,6 +9,7 @@ import numpy as np
 
 from kvturn.bench.compare import LEGS, Leg
 from kvturn.plan.calibration import Calibration
+from kvturn.plan.fit import WORKER_KINDS
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.trace import Workload
 
@@ -56,11 +57,13 @@ def predict(sim: Simulation) -> LegPrediction:
 # MAX_REPLICATIONS times (an odd number), and each figure is the median of the simulations': the bench's figures are
 # the median of runs, and a few dozen turns' p50 moves with which of them queued.
 SCATTER_TURNS = 2000
-MAX_REPLICATIONS = 7
+# `concurrent`'s 48 turns had a p50 of 102-139 ms over seven draws on the dev machine, and the median of seven moved
+# by 7% from one seven to the next; 31 simulations of a few dozen turns take well under a second.
+MAX_REPLICATIONS = 31
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
-    if not any(len(set(calibration.scatter(kind))) > 1 for kind in ("prefill", "decode", "colocated")):
+    if not any(len(set(calibration.scatter(kind))) > 1 for kind in WORKER_KINDS):
         return 1  # every simulation is the same
     wanted = min(MAX_REPLICATIONS, -(-SCATTER_TURNS // max(workload.num_turns, 1)))
     return wanted if wanted % 2 else wanted + 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvturn.bench.compare import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
+from kvturn.plan.fit import WORKER_KINDS
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload
@@ -156,7 +157,7 @@ class Simulation:
                  seed: int = 0):
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
-        self._scatter = {kind: calibration.scatter(kind) for kind in ("prefill", "decode", "colocated")}
+        self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
         self.now = 0.0
         self.events = 0
         self._queue: list = []
@@ -183,7 +184,8 @@ class Simulation:
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else paths.RECOMPUTE
-        self.other_s = calibration.other(leg.name) / 1e3
+        self.turns_in_flight = 0  # arrived, not yet answered in full
+        self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
         self.retained_tokens = 0
         self.peak_retained_tokens = 0
         self.results: list[TurnResult] = []
@@ -242,12 +244,22 @@ class Simulation:
         self._start_turn(state, self.now)
 
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
-        """The turn arrives at `arrival_s` and reaches the router's path choice after the leg's fixed overhead."""
+        """The turn will arrive at `arrival_s`."""
         turn = state.session.turns[state.next_turn]
         result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
         self.results.append(result)
-        shareable = self._blocks(min(turn.shared_tokens, turn.prompt_tokens - 1))
-        self.at(arrival_s + self.other_s, self._dispatch, Flight(state, turn, result, shareable))
+        flight = Flight(state, turn, result, self._blocks(min(turn.shared_tokens, turn.prompt_tokens - 1)))
+        if arrival_s <= self.now:
+            self._arrive(flight)
+        else:
+            self.at(arrival_s, self._arrive, flight)
+
+    def _arrive(self, flight: Flight) -> None:
+        """The turn reaches the router's path choice after the leg's time outside compute, which grows with the
+        requests in flight beside it."""
+        load = self.turns_in_flight / self.prompt_workers
+        self.turns_in_flight += 1
+        self.at(self.now + self.calibration.other(self.leg.name, load) / 1e3, self._dispatch, flight)
 
     def _turn_done(self, flight: Flight) -> None:
         state, turn, decode = flight.state, flight.turn, flight.decode
@@ -257,6 +269,7 @@ class Simulation:
         if self.leg.bidirectional:
             self._retain(conversation, decode, retained)
         flight.result.finished_s = self.now
+        self.turns_in_flight -= 1
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
             self._start_turn(state, self.now + state.session.turns[state.next_turn].think_s)
