@@ -443,8 +443,9 @@ def test_the_time_outside_compute_is_a_line_through_the_median_of_each_load():
     samples = [(load, (8.0 + 2.0 * load) * factor) for load in range(4) for factor in scatter]
     samples += [(load, 150.0) for load in range(4)]  # first turns' long prompts, tokenized and sent
     samples += [(9, 500.0)] * (fit.MIN_FIT_SAMPLES - 1)  # too few at that load to count
-    assert fit.fit_other(samples) == pytest.approx((8.0, 2.0), rel=0.1)
-    assert fit.fit_other([(3, ms) for ms in (10.0, 11.0, 30.0)]) == (11.0, 0.0)  # one load: its median
+    assert fit.fit_other(samples)[:2] == pytest.approx((8.0, 2.0), rel=0.1)
+    assert fit.fit_other(samples)[2] == 3  # the highest load with enough requests
+    assert fit.fit_other([(3, ms) for ms in (10.0, 11.0, 30.0)]) == (11.0, 0.0, 0)  # one load: its median
     assert fit.fit_other([(load, 20.0 - load) for load in range(4) for _ in range(5)])[1] == 0.0  # never negative
 
 

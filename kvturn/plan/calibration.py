@@ -198,7 +198,7 @@ def load(path: Path) -> Calibration:
             raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
-            if not (optional and value is None) and (type(value) not in (int, float) or not 0 <= value <= MAX_IDLE_MS):
+            if not (optional and value is None) and not number_within(value, 0.0, MAX_IDLE_MS):
                 raise CalibrationError(f"{path}: {name} must be a number from 0 to {MAX_IDLE_MS:g}, got {value!r}")
         return calibration
     try:

@@ -3,8 +3,6 @@ service (step_samples.py), when the bench kept them, give the compute and decode
 per-request rows do: how many prompt tokens each worker computed and in how long, TTFT and TPOT, and when each
 request ran, from which the batch, and whether the other role was busy on the shared cores, are worked out. The
 requests give the rest either way: what was read each way, and the time outside compute and transfer."""
-from collections import Counter
-
 import numpy as np
 
 from kvturn.bench.compare import LEGS
@@ -25,8 +23,6 @@ SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps ov
 MAX_SCATTER_QUANTILES = 1000
 MAX_SCATTER = 100.0  # the most a saved quantile may say a step took over its fit
 MAX_OTHER_MS = 1e6  # of a saved time outside compute, or what a request in flight adds to it
-
-
 WORKER_KINDS = ("prefill", "decode", "colocated")  # the kinds of worker a compute fit is for
 
 
@@ -380,12 +376,10 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     for leg, leg_rows in by_leg:
         loads.setdefault(leg, []).extend((in_flight(r, leg_rows), r.other_ms) for r in leg_rows)
     other = {leg: fit_other(samples) for leg, samples in loads.items()}
-    seen = [load for samples in loads.values() for load, count in Counter(n for n, _ in samples).items()
-            if count >= MIN_FIT_SAMPLES]
     return {**fits, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
-            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _) in other.items()},
-            "other_ms_per_request": {leg: b for leg, (_, b) in other.items()},
-            "other_load_seen": float(max(seen, default=0)), "source": source,
+            "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
+            "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
+            "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,
             "samples": {"requests": len(rows), **fits["samples"]}}
 
 
@@ -395,24 +389,26 @@ def in_flight(row: Row, leg_rows: list[Row]) -> int:
                other.latency_ms)
 
 
-def fit_other(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """(ms alone, ms each other request in flight adds) of a leg's time outside compute, transfer and queues, from
-    (requests in flight at arrival, ms): a line through the median of each load that MIN_FIT_SAMPLES requests or
-    more found, weighed by their number (a request's time outside scatters widely: a first turn's long prompt is
-    tokenized and sent in it). With fewer than two such loads, the median of all, and nothing added. On the dev
+def fit_other(samples: list[tuple[int, float]]) -> tuple[float, float, int]:
+    """(ms alone, ms each other request in flight adds, the most load it saw) of a leg's time outside compute,
+    transfer and queues, from (requests in flight at arrival, ms): a line through the median of each load that
+    MIN_FIT_SAMPLES requests or more found, weighed by their number (a request's time outside scatters widely: a
+    first turn's long prompt is tokenized and sent in it), and the highest of those loads (0 with none). With fewer
+    than two such loads, the median of all, and nothing added. On the dev
     machine (2026-12-02), a sweep's requests, one at a time, had ~8-10 ms of it, a calibration run's four sessions
     at a time ~11-16, agent-loop's eight ~12-19."""
     by_load: dict[int, list[float]] = {}
     for load, ms in samples:
         by_load.setdefault(load, []).append(ms)
     loads = [n for n in sorted(by_load) if len(by_load[n]) >= MIN_FIT_SAMPLES]
+    seen = max(loads, default=0)
     if len(loads) < 2:
-        return float(np.median([ms for _, ms in samples])), 0.0
+        return float(np.median([ms for _, ms in samples])), 0.0, seen
     weights = np.sqrt([len(by_load[n]) for n in loads])
     medians = np.array([np.median(by_load[n]) for n in loads])
     x = np.array([[1.0, n] for n in loads]) * weights[:, None]
     alone, per_request = nonnegative_lstsq(x, medians * weights, [0, 1])
-    return float(alone), float(per_request)
+    return float(alone), float(per_request), seen
 
 
 def step_legs(runs: list[dict]) -> list[dict[str, list[step_samples.Step]]] | None:
