@@ -9,7 +9,6 @@ prompt has `--prompt-tokens` tokens, streamed, 150 new tokens and 32 answer toke
 Prints a table and writes JSON with the machine it ran on.
 """
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvturn.bench.client import sse_chunk
 from kvturn.bench.machine import machine, write_json
 from kvturn.bench.workload import TextSource
 from kvturn.launch import LocalStack
@@ -38,9 +38,8 @@ def streamed_turn(http: httpx.Client, url: str, messages: list[dict], conversati
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             for choice in chunk.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
                     answer.append(choice["delta"]["content"])

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from kvturn import launch
+from kvturn.bench.client import sse_chunk
 from kvturn.bench.vllm_servers import VLLMServer, metric, start_all
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,11 +54,12 @@ def stream_turn(client: httpx.Client, url: str, model: str, messages: list[dict]
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read()[:300]!r}")
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            try:
+                chunk = sse_chunk(line)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{url}: {exc}") from None
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: {chunk['error']}")
             events += 1
             kvturn = chunk.get("kvturn") or kvturn
             for choice in chunk.get("choices") or []:

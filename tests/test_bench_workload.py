@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvturn.bench import workload
-from kvturn.bench.client import RequestRecord, RunResult, SessionRecord
+from kvturn.bench.client import RequestRecord, RunResult, SessionRecord, sse_chunk
 from kvturn.bench.distributions import Distribution
 from kvturn.bench.report import summarize
 from kvturn.model.tokenizer import ChatTokenizer
@@ -130,3 +130,13 @@ def test_the_split_of_ttft_adds_up_to_the_ttft_when_ps_first_token_went_ahead():
     split = ttft_split(result)
     assert split["p_to_d_read_ms"] == split["decode_compute_ms"] == 0.0
     assert sum(split.values()) == 100.0 and split["other_ms"] == 40.0
+
+
+def test_sse_chunk_reads_data_lines_and_raises_error_chunks():
+    assert sse_chunk('data: {"choices": [{"delta": {"content": "hi"}}]}') == {"choices": [{"delta": {"content": "hi"}}]}
+    for other in ("", ": keep-alive", "data: [DONE]", "event: ping"):
+        assert sse_chunk(other) is None
+    with pytest.raises(RuntimeError, match="pool is full"):
+        sse_chunk('data: {"error": {"message": "pool is full", "type": "server_error"}}')
+    with pytest.raises(RuntimeError, match="plain words"):
+        sse_chunk('data: {"error": "plain words"}')

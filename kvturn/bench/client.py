@@ -150,6 +150,18 @@ async def sample_retained_kv(client: httpx.AsyncClient, urls: list[str], start: 
             pass
 
 
+def sse_chunk(line: str) -> dict | None:
+    """The JSON chunk of one line of an OpenAI stream; None for any other line (blank, a comment, `[DONE]`). A
+    chunk that reports an error raises it."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        error = chunk["error"]
+        raise RuntimeError(error.get("message", "stream error") if isinstance(error, dict) else str(error))
+    return chunk
+
+
 async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], record: RequestRecord,
                    max_tokens: int, ignore_eos: bool) -> str:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
@@ -162,11 +174,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if (chunk := sse_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"].get("message", "stream error"))
             usage = chunk.get("usage") or usage
             kvturn = chunk.get("kvturn") or kvturn
             for choice in chunk.get("choices") or []:
