@@ -281,7 +281,8 @@ def bench(
     summaries = [report.summarize(leg, result) for leg, result in results.items()]
     ideal = comparison.ideal_speedup(results, model_dir) if compare else None
     info = machine()
-    console.print(report.verdict(summaries))
+    words = report.verdict(summaries)
+    console.print(words)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
     report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})", console)
     if ideal and "ideal_speedup" in ideal:
@@ -301,7 +302,8 @@ def bench(
                       f"pull only; adaptive took {v['adaptive_paths']}; predicted TTFT within 20%: "
                       + ", ".join(f"{k} {x:.0%}" for k, x in v["predicted_within_20pct"].items() if x is not None))
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
-               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "summaries": summaries,
+               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "verdict": words,
+               "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,
                "legs": {leg: result.to_json() for leg, result in results.items()}}
     json_path = write_json(out_dir / "results.json", payload)
