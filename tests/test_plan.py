@@ -156,7 +156,9 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
                        [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)] + \
                        [("other_ms", v) for v in ([], {"colocated": -1.0}, {"colocated": "5"})] + \
                        [("other_ms_per_request", v) for v in ("x", {"colocated": float("nan")})] + \
-                       [("other_load_seen", v) for v in (None, -1.0, True)]:
+                       [("other_load_seen", v) for v in (None, -1.0, True)] + \
+                       [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0},
+                                               {"decode_batch": float("nan")})]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
         with pytest.raises(fit.CalibrationError, match=name):
             calibration.load(tmp_path / "bad.json")
@@ -284,7 +286,10 @@ def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost
     p_legs = sum(LEGS[leg].mode != "colocated" for leg in results["legs"])
     assert stepped.decode_fit_alone and stepped.samples["prefill"] == 8 * p_legs  # the junk is left out
     assert stepped.decodes_share_fixed_cost  # a prompt step pays the decodes beside it their terms, not a second a
-    # What steps do not say still comes from the requests.
+    # The shapes it measured at their most: P's (350, 7000) chunk, and D's batch of 4 at a longest context of 5300.
+    assert stepped.seen == {"prompt_tokens": 4000, "prompt_context": 7350, "decode_batch": 4, "decode_attended": 21200}
+    # What steps do not say still comes from the requests; from requests alone, only what prompts reached.
+    assert set(cost_model.seen) == {"prompt_tokens", "prompt_context"}
     assert stepped.other_ms == cost_model.other_ms and stepped.read_ms_per_mib == cost_model.read_ms_per_mib
     assert calibration.load(stepped.save(tmp_path / "stepped.json")) == stepped
 
@@ -750,6 +755,19 @@ def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     assert saved["verdict"]["text"].startswith("On this workload") and saved["left_out"]
     assert {p["ttl_s"] for p in saved["sweep"]["points"]} == {60.0, 480.0}
     assert "On this workload" in html_path.read_text()
+
+
+def test_a_plan_names_the_shapes_its_steps_reach_beyond_the_calibration(cost_model):
+    workload = agent_sessions(6, 3)  # four sessions at a time: decode batches of up to 4
+    narrow = replace(cost_model, seen={"decode_batch": 2.0, "prompt_tokens": 1e6})
+    plan = planner.plan(workload, narrow, Deployment(), ["pd/P-cache-on"], "pull", True, [], ())
+    assert set(plan["beyond_calibration"]) == {"decode_batch"}
+    assert 2.2 < plan["beyond_calibration"]["decode_batch"]["planned"] <= 4
+    assert "extrapolated" in plan["verdict"]["text"] and "decode steps run up to" in plan["verdict"]["text"]
+    for seen in ({"decode_batch": 64.0, "prompt_tokens": 1e6}, {}):  # within what it measured, or it did not say
+        plan = planner.plan(workload, replace(cost_model, seen=seen), Deployment(), ["pd/P-cache-on"], "pull", True,
+                            [], ())
+        assert plan["beyond_calibration"] == {} and "extrapolated" not in plan["verdict"]["text"]
 
 
 def test_reuse_pays_above_a_history_length_by_the_calibrated_costs(cost_model):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, WORKER_KINDS,
-                             CalibrationError, fitted)
+from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, SEEN_SHAPES,
+                             WORKER_KINDS, CalibrationError, fitted)
 from kvturn.plan.rows import number_within, rows_of
 
 KIND = "kvturn-calibration"
@@ -63,6 +63,9 @@ class Calibration:
     # most the calibration run saw; empty, as saved before: other_ms whatever the load
     other_ms_per_request: dict[str, float] = field(default_factory=dict)
     other_load_seen: float = 0.0
+    # fit.SEEN_SHAPES at the most the calibration run measured them (a shape it does not say, as saved before or
+    # unknown from requests alone, is not compared with the plan's)
+    seen: dict[str, float] = field(default_factory=dict)
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -93,11 +96,16 @@ class Calibration:
             return self.colocated_step_fit
         return self.decode_step_fit
 
+    def attended(self, batch: int, context: int, longest: int) -> int:
+        """The tokens a decode step of `batch` requests attends to, `context` in all and `longest` the most of
+        them, as the step fit counts them."""
+        return batch * longest if self.decode_step_padded else context
+
     def decode_steps_ms(self, worker: str, count: int, batch: int, context: int, longest: int) -> float:
         """`count` decode steps of `worker` running `batch` requests that attend to `context` tokens in all, the
         longest to `longest`; every request attends to one token more each step."""
         a, b, k = self.step_fit(worker)
-        attended = batch * longest if self.decode_step_padded else context
+        attended = self.attended(batch, context, longest)
         return count * (a + b * batch) + k * (count * attended + batch * count * (count - 1) / 2) / 1e3
 
     def decodes_beside_prompts_ms(self, worker: str, batch: int, context: int, longest: int) -> float:
@@ -196,6 +204,11 @@ def load(path: Path) -> Calibration:
                 raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
         if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):
             raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
+        seen = calibration.seen
+        if not isinstance(seen, dict) or not set(seen) <= set(SEEN_SHAPES) or not all(
+                number_within(v, 0.0, MAX_SEEN) for v in seen.values()):
+            raise CalibrationError(f"{path}: seen must map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 0 to "
+                                   f"{MAX_SEEN:g}")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and not number_within(value, 0.0, MAX_IDLE_MS):

@@ -24,6 +24,12 @@ MAX_SCATTER_QUANTILES = 1000
 MAX_SCATTER = 100.0  # the most a saved quantile may say a step took over its fit
 MAX_OTHER_MS = 1e6  # of a saved time outside compute, or what a request in flight adds to it
 WORKER_KINDS = ("prefill", "decode", "colocated")  # the kinds of worker a compute fit is for
+# The shapes a calibration run measured, at their most, that a plan compares with the steps it simulates: new tokens
+# of one prompt computed in a step, the tokens a prompt's step attends to (its context and itself), the requests in a
+# decode step, and the tokens a decode step attends to (the batch times its longest context where the engine pads
+# to it, else their sum). Beyond them the fits are extrapolated.
+SEEN_SHAPES = ("prompt_tokens", "prompt_context", "decode_batch", "decode_attended")
+MAX_SEEN = 2.0**40
 
 
 class CalibrationError(ValueError):
@@ -449,11 +455,23 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]]) -> dict | None:
     if len(ratios) >= MIN_FIT_SAMPLES:
         fits["decode"] = tuple(c * float(np.median(ratios)) for c in fits["prefill"])
     scatter = {kind: step_scatter(prompts[kind], fits[kind]) for kind in fits}
-    return {"compute_fits": fits, "step_scatter": scatter, "decode_fit_alone": True, "decode_step_fit": decode_step,
+    return {"compute_fits": fits, "step_scatter": scatter, "seen": steps_seen(samples), "decode_fit_alone": True,
+            "decode_step_fit": decode_step,
             "decode_step_padded": True, "decodes_share_fixed_cost": True,
             "colocated_step_fit": colocated_step, "idle_step_ms": 0.0,
             "busy_idle_step_ms": 0.0, "contention": {"prefill_slowdown": 0.0, "decode_step_ms": contention},
             "samples": {"steps": samples.count(), **{kind: len(steps) for kind, steps in samples.prompts.items()}}}
+
+
+def steps_seen(samples: step_samples.StepSamples) -> dict[str, float]:
+    """SEEN_SHAPES at their most in steps in service (whose decode steps are fitted padded)."""
+    chunks = [chunk for steps in samples.prompts.values() for step in steps for chunk in step.prompts]
+    batches = [(step.decodes, step.decode_longest) for steps in samples.prompts.values() for step in steps]
+    batches += [(batch, longest) for decodes in samples.decodes.values() for batch, longest, _, _ in decodes]
+    return {"prompt_tokens": float(max((n for n, _ in chunks), default=0)),
+            "prompt_context": float(max((n + context for n, context in chunks), default=0)),
+            "decode_batch": float(max((batch for batch, _ in batches), default=0)),
+            "decode_attended": float(max((batch * longest for batch, longest in batches), default=0))}
 
 
 def step_scatter(samples: list[tuple[Chunks, float]], coefficients) -> list[float]:
@@ -494,7 +512,11 @@ def _request_fits(runs: list[dict], by_leg: Legs) -> dict:
     fits = {"prefill": prefill_fit, **{kind: fit_compute([p[:2] for p in points]) for kind, points in samples.items()
                                        if len(points) >= MIN_FIT_SAMPLES}}
     step_fit, step_contention = fit_decode_step(by_leg)
-    return {"compute_fits": fits, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
+    rows = [row for _, leg_rows in by_leg for row in leg_rows]
+    # Of the prompts, what the requests say (the batch a decode step ran is not known from them: not compared)
+    seen = {"prompt_tokens": float(max((row.computed or row.input_tokens for row in rows), default=0)),
+            "prompt_context": float(max((row.input_tokens for row in rows), default=0))}
+    return {"compute_fits": fits, "seen": seen, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms, "busy_idle_step_ms": busy_idle_ms,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},
             "samples": {"prefill": len(prefill), **{kind: len(points) for kind, points in samples.items()}}}

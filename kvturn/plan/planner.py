@@ -39,6 +39,35 @@ LEFT_OUT = (
 )
 
 
+# Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
+BEYOND_SHARE = 0.1
+SHAPE_WORDS = {"prompt_tokens": "prompt steps compute up to {planned} new tokens of a prompt",
+               "prompt_context": "prompt steps attend to up to {planned} tokens",
+               "decode_batch": "decode steps run up to {planned} requests",
+               "decode_attended": "decode steps attend to up to {planned} tokens"}
+
+
+def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calibration) -> dict[str, dict]:
+    """The shapes the legs' simulated steps reached more than BEYOND_SHARE beyond the most the calibration run
+    measured, where its fits are extrapolated: {shape: {"planned", "calibrated"}}. A shape the calibration does not
+    say is not compared."""
+    beyond = {}
+    for shape, seen in calibration.seen.items():
+        planned = max((p.reached.get(shape, 0) for p in predictions.values()), default=0)
+        if planned > seen * (1 + BEYOND_SHARE):
+            beyond[shape] = {"planned": planned, "calibrated": seen}
+    return beyond
+
+
+def beyond_words(beyond: dict[str, dict]) -> str:
+    if not beyond:
+        return ""
+    shapes = [SHAPE_WORDS[shape].format(planned=f"{v['planned']:,.0f}") + f" (the calibration's {v['calibrated']:,.0f})"
+              for shape, v in beyond.items()]
+    return (f"The calibrated costs are extrapolated here: {'; '.join(shapes)}; a calibration run that reaches these "
+            f"shapes makes a closer plan.")
+
+
 @dataclass(slots=True)
 class SweepPoint:
     ttl_s: float
@@ -124,7 +153,7 @@ def cheapest_ttl_keeping_gain(points: list[SweepPoint], budget_mib: int | None) 
 
 
 def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, candidate: str,
-            calibration: Calibration, deployment: Deployment, points: list[SweepPoint]) -> dict:
+            calibration: Calibration, deployment: Deployment, points: list[SweepPoint], beyond: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
     new_tokens = [t.prompt_tokens - t.shared_tokens for s in workload.sessions for t in s.turns[1:]]
     typical_new = int(np.median(new_tokens)) if new_tokens else 0
@@ -155,6 +184,8 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
         else:
             words.append(f"A TTL as short as {cheapest.ttl_s:.0f} s keeps the gain but holds as much memory: turns "
                          f"come back sooner than that.")
+    if beyond:
+        words.append(beyond_words(beyond))
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
             "pays_above_history_tokens": break_even, "typical_new_tokens": typical_new,
@@ -178,11 +209,13 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
     points = sweep(workload, candidate, deployment, calibration, ttls, budget_shares, predictions[candidate])
     with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, reference_point(points, deployment))
+    beyond = beyond_calibration(predictions, calibration)
     return {
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients},
         "deployment": asdict(deployment),
-        "verdict": verdict(workload, predictions, baseline, candidate, calibration, deployment, points),
+        "verdict": verdict(workload, predictions, baseline, candidate, calibration, deployment, points, beyond),
+        "beyond_calibration": beyond,
         "legs": {leg: predictions[leg].public() for leg in chosen},
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": asdict(calibration),

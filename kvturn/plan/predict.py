@@ -26,6 +26,7 @@ class LegPrediction:
     turns: int
     events: int
     paths: dict = field(default_factory=dict)
+    reached: dict = field(default_factory=dict)  # fit.SEEN_SHAPES at their most in the simulated steps
 
     def public(self) -> dict:
         """The leg as plan.json shows it."""
@@ -50,7 +51,7 @@ def predict(sim: Simulation) -> LegPrediction:
         sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
         _percentile(sessions, 50), sim.peak_retained_tokens * sim.calibration.kv_bytes_per_token / 2**20,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        path_counts)
+        path_counts, dict(sim.reached))
 
 
 # A workload of fewer turns than this is simulated again with other draws of its steps' scatter, up to
@@ -70,13 +71,15 @@ def replications(workload: Workload, calibration: Calibration) -> int:
 
 
 def median_of(runs: list[LegPrediction]) -> LegPrediction:
-    """Each figure of `runs` (simulations of one leg) as their median; the events of all of them."""
+    """Each figure of `runs` (simulations of one leg) as their median; the events of all of them, and the shapes
+    the steps of any of them reached."""
     def median(name: str) -> float:
         return float(np.median([getattr(run, name) for run in runs]))
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, median("ttft_p50_ms"), median("ttft_p90_ms"), median("later_ttft_p50_ms"),
                          median("session_p50_s"), median("peak_retained_mib"), median("reuse_share"), runs[0].turns,
-                         sum(run.events for run in runs), paths)
+                         sum(run.events for run in runs), paths,
+                         {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached})
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:

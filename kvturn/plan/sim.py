@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvturn.bench.compare import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
-from kvturn.plan.fit import WORKER_KINDS
+from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload
@@ -189,6 +189,7 @@ class Simulation:
         self.retained_tokens = 0
         self.peak_retained_tokens = 0
         self.results: list[TurnResult] = []
+        self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
@@ -214,6 +215,19 @@ class Simulation:
         if after_idle:
             return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
         return compute_ms * self.contention(loop)[0]
+
+    def reach_prompts(self, chunks: list) -> None:
+        """A prompt step computes (job, new tokens) `chunks`."""
+        reached = self.reached
+        for job, n in chunks:
+            reached["prompt_tokens"] = max(reached["prompt_tokens"], n)
+            reached["prompt_context"] = max(reached["prompt_context"], job.context + n)
+
+    def reach_decode(self, batch: int, context: int, longest: int) -> None:
+        """A step decodes `batch` requests attending to `context` tokens in all, `longest` the most of them."""
+        reached = self.reached
+        reached["decode_batch"] = max(reached["decode_batch"], batch)
+        reached["decode_attended"] = max(reached["decode_attended"], self.calibration.attended(batch, context, longest))
 
     # ---- the event loop
     def at(self, time_s: float, action, *args) -> None:

@@ -151,6 +151,7 @@ class StepLoop:
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
             longest = self.longest
             self.segment = Segment(now, count, batch, self.context, longest, self._versions)
+            self.sim.reach_decode(batch, self.context + batch * (count - 1), longest + count - 1)  # its last step
             self.steps_in_flight = count
             self.sim.at(now + self._segment_ms(count, batch, self.context, longest) / 1e3, self._end_segment,
                         self._versions)
@@ -170,6 +171,9 @@ class StepLoop:
             budget -= n
             prompt_tokens += n
         compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
+        self.sim.reach_prompts(chunks)
+        if batch:
+            self.sim.reach_decode(batch, self.context, self.longest)
         ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
