@@ -8,7 +8,11 @@ OUT/accuracy.json. With several rounds, each round's own calibration against tha
 
 Why rounds: on this shared 2-core machine one bench run of a leg differs from the next by up to a quarter, and the
 same prompt computed in two calibration legs minutes apart by up to a third: as much as the tolerance. `--repeats N`
-makes N rounds, each every workload and leg once, so that a slow spell of the machine falls on all legs alike.
+makes N rounds, each every workload and leg once, so that a slow spell of the machine falls on all legs alike. Each
+round starts its workloads one further along (sweep, agent-loop, concurrent; then agent-loop, concurrent, sweep; ...):
+the machine's speed drifts within a round as well (on 2026-12-02, against the calibration run that opened a round,
+the decode steps of its first workload ran 1.03-1.15x the fit and those of its last, 10 minutes later, 1.15-1.32x),
+and a workload always measured last would always meet the machine furthest from its calibration.
 
 The column "prompt steps / fit" is the median, over a leg's runs, of the median of its prompt steps in service
 (P's, or the colocated worker's) over what the calibration fit puts them at, with the decodes beside them, shape
@@ -79,6 +83,11 @@ def calibration_runs(out: Path, repeats: int) -> list[Path]:
             if (path := out / "calibration" / f"run-{run}" / "results.json").exists()]
 
 
+def rotated(items: list[str], by: int) -> list[str]:
+    by %= max(len(items), 1)
+    return items[by:] + items[:by]
+
+
 def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reuse: bool, pin: bool) -> None:
     pinned = ["--pin-workers"] if pin else []
     for run in range(1, repeats + 1):
@@ -87,7 +96,7 @@ def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reus
             kvturn("bench", "--compare", "--workload", str(CALIBRATION_WORKLOAD), "--sessions",
                    str(CALIBRATION_SESSIONS), "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration),
                    *pinned)
-        for workload in workloads:
+        for workload in rotated(workloads, run - 1):
             for leg in legs:
                 where = leg_dir(out, workload, leg, run)
                 if not (reuse and (where / "results.json").exists()):
