@@ -34,7 +34,7 @@ from kvturn.plan.sim import Deployment, Simulation  # noqa: E402
 from kvturn.plan.trace import from_scenario  # noqa: E402
 
 
-def median(values: list[float]) -> str:
+def median_cell(values: list[float]) -> str:
     return f"{statistics.median(values):.0f}" if values else "-"
 
 
@@ -55,7 +55,7 @@ def other_by_load(calibrations: list[Path], cost_model: Calibration) -> str:
              "| leg | " + " | ".join(f"load {n}" for n in range(most + 1)) + " | fit |",
              "|---|" + "---|" * (most + 2)]
     for leg, by_load in loads.items():
-        cells = [f"{median(by_load[n])} ({len(by_load[n])})" if n in by_load else "-" for n in range(most + 1)]
+        cells = [f"{median_cell(by_load[n])} ({len(by_load[n])})" if n in by_load else "-" for n in range(most + 1)]
         fitted = f"{cost_model.other_ms.get(leg, 0):.1f} + {cost_model.other_ms_per_request.get(leg, 0):.1f}/req"
         lines.append(f"| {leg} | " + " | ".join(cells) + f" | {fitted} |")
     return "\n".join(lines)
@@ -114,9 +114,9 @@ def leg_details(workload, leg: str, cost_model: Calibration, measured: list[tupl
     for index in sorted(planned_tokens):
         turn_rows = [row for row in rows if row.turn == index]
         sent = f"{statistics.mean(r.input_tokens for r in turn_rows):.0f}" if turn_rows else "-"
-        lines.append(f"| {index} | {median([r.ttft_ms for r in turn_rows])} | {median(simulated_ttft.get(index, []))} "
+        lines.append(f"| {index} | {median_cell([r.ttft_ms for r in turn_rows])} | {median_cell(simulated_ttft.get(index, []))} "
                      f"| {sent} | {statistics.mean(planned_tokens[index]):.0f} | "
-                     f"{median([r.other_ms for r in turn_rows])} |")
+                     f"{median_cell([r.other_ms for r in turn_rows])} |")
     return "\n".join(lines)
 
 

@@ -302,7 +302,7 @@ def bench(
                       f"pull only; adaptive took {v['adaptive_paths']}; predicted TTFT within 20%: "
                       + ", ".join(f"{k} {x:.0%}" for k, x in v["predicted_within_20pct"].items() if x is not None))
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
-               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "verdict": words,
+               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,
                "legs": {leg: result.to_json() for leg, result in results.items()}}

@@ -140,3 +140,6 @@ def test_sse_chunk_reads_data_lines_and_raises_error_chunks():
         sse_chunk('data: {"error": {"message": "pool is full", "type": "server_error"}}')
     with pytest.raises(RuntimeError, match="plain words"):
         sse_chunk('data: {"error": "plain words"}')
+    for junk in ("data: 5", 'data: "error"', "data: [1, 2]"):
+        with pytest.raises(RuntimeError, match="not a JSON object"):
+            sse_chunk(junk)

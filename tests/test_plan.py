@@ -157,10 +157,10 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
                        [("other_ms", v) for v in ([], {"colocated": -1.0}, {"colocated": "5"})] + \
                        [("other_ms_per_request", v) for v in ("x", {"colocated": float("nan")})] + \
                        [("other_load_seen", v) for v in (None, -1.0, True)] + \
-                       [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0},
+                       [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0}, {"prompt_tokens": 0},
                                                {"decode_batch": float("nan")})]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
-        with pytest.raises(fit.CalibrationError, match=name):
+        with pytest.raises(fit.CalibrationError, match=f"{name} must"):
             calibration.load(tmp_path / "bad.json")
 
 
@@ -717,6 +717,8 @@ def test_a_padded_decode_step_costs_the_batch_times_its_longest_context_until_th
     assert finished["long"] == pytest.approx((alone + together) / 1e3)
     assert finished["short"] == pytest.approx((alone + together + steps_ms("decode", 151, 1, 1049, 1049)) / 1e3)
     assert together > replace(padded, decode_step_padded=False).decode_steps_ms("decode", 49, 2, 9001, 8001)
+    # The most it reached: the last of the 49 steps together, two requests padded to the long one's 8049 tokens.
+    assert sim.reached["decode_batch"] == 2 and sim.reached["decode_attended"] == 2 * (8001 + 48)
 
 
 def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):

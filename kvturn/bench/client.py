@@ -156,6 +156,8 @@ def sse_chunk(line: str) -> dict | None:
     if not line.startswith("data: ") or line == "data: [DONE]":
         return None
     chunk = json.loads(line[6:])
+    if not isinstance(chunk, dict):
+        raise RuntimeError(f"stream chunk is not a JSON object: {line[6:80]!r}")
     if "error" in chunk:
         error = chunk["error"]
         raise RuntimeError(error.get("message", "stream error") if isinstance(error, dict) else str(error))

@@ -206,9 +206,12 @@ def load(path: Path) -> Calibration:
             raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
         seen = calibration.seen
         if not isinstance(seen, dict) or not set(seen) <= set(SEEN_SHAPES) or not all(
-                number_within(v, 0.0, MAX_SEEN) for v in seen.values()):
-            raise CalibrationError(f"{path}: seen must map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 0 to "
+                number_within(v, 1.0, MAX_SEEN) for v in seen.values()):
+            raise CalibrationError(f"{path}: seen must map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 1 to "
                                    f"{MAX_SEEN:g}")
+        if "decode_attended" in seen and not calibration.decode_step_padded:
+            raise CalibrationError(f"{path}: seen says decode_attended only of a padded decode step fit "
+                                   "(decode_step_padded true)")
         for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
             value = getattr(calibration, name)
             if not (optional and value is None) and not number_within(value, 0.0, MAX_IDLE_MS):

@@ -468,10 +468,11 @@ def steps_seen(samples: step_samples.StepSamples) -> dict[str, float]:
     chunks = [chunk for steps in samples.prompts.values() for step in steps for chunk in step.prompts]
     batches = [(step.decodes, step.decode_longest) for steps in samples.prompts.values() for step in steps]
     batches += [(batch, longest) for decodes in samples.decodes.values() for batch, longest, _, _ in decodes]
-    return {"prompt_tokens": float(max((n for n, _ in chunks), default=0)),
+    seen = {"prompt_tokens": float(max((n for n, _ in chunks), default=0)),
             "prompt_context": float(max((n + context for n, context in chunks), default=0)),
             "decode_batch": float(max((batch for batch, _ in batches), default=0)),
             "decode_attended": float(max((batch * longest for batch, longest in batches), default=0))}
+    return {shape: most for shape, most in seen.items() if most >= 1}
 
 
 def step_scatter(samples: list[tuple[Chunks, float]], coefficients) -> list[float]:
@@ -513,9 +514,12 @@ def _request_fits(runs: list[dict], by_leg: Legs) -> dict:
                                        if len(points) >= MIN_FIT_SAMPLES}}
     step_fit, step_contention = fit_decode_step(by_leg)
     rows = [row for _, leg_rows in by_leg for row in leg_rows]
-    # Of the prompts, what the requests say (the batch a decode step ran is not known from them: not compared)
-    seen = {"prompt_tokens": float(max((row.computed or row.input_tokens for row in rows), default=0)),
+    # Of the prompts, what the requests say, a whole prompt's computed tokens for a step's (the batch a decode step
+    # ran is not known from them: not compared)
+    computed = [row.input_tokens if row.computed is None else row.computed for row in rows]
+    seen = {"prompt_tokens": float(max(computed, default=0)),
             "prompt_context": float(max((row.input_tokens for row in rows), default=0))}
+    seen = {shape: most for shape, most in seen.items() if most >= 1}
     return {"compute_fits": fits, "seen": seen, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms, "busy_idle_step_ms": busy_idle_ms,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},

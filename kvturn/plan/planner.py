@@ -50,7 +50,7 @@ SHAPE_WORDS = {"prompt_tokens": "prompt steps compute up to {planned} new tokens
 def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calibration) -> dict[str, dict]:
     """The shapes the legs' simulated steps reached more than BEYOND_SHARE beyond the most the calibration run
     measured, where its fits are extrapolated: {shape: {"planned", "calibrated"}}. A shape the calibration does not
-    say is not compared."""
+    say is not compared, nor the TTL and budget sweep's simulations (the same workload, other retention)."""
     beyond = {}
     for shape, seen in calibration.seen.items():
         planned = max((p.reached.get(shape, 0) for p in predictions.values()), default=0)
@@ -60,6 +60,7 @@ def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calib
 
 
 def beyond_words(beyond: dict[str, dict]) -> str:
+    """The verdict's sentence on the shapes `beyond_calibration` found ("" for none)."""
     if not beyond:
         return ""
     shapes = [SHAPE_WORDS[shape].format(planned=f"{v['planned']:,.0f}") + f" (the calibration's {v['calibrated']:,.0f})"
