@@ -376,6 +376,24 @@ def test_the_router_counts_only_plain_text_of_a_bounded_size(messages, size, tex
     assert keys.countable_texts(messages, size) == texts
 
 
+def test_the_router_counts_a_text_it_has_seen_from_memory_and_keeps_a_bounded_number(tiny_model_dir):
+    from kvturn.model.tokenizer import ChatTokenizer
+    tokenizer, calls = ChatTokenizer(tiny_model_dir), []
+
+    class Counting:  # the model's tokenizer, its calls recorded
+        def count(self, text: str) -> int:
+            calls.append(text)
+            return tokenizer.count(text)
+    counts = keys.TextTokens(Counting(), most=2)
+    history = ["You are an agent. " * 40, "Tool result: ok. Next step?", "Fertig: naïve café ✓"]
+    assert [counts.count(text) for text in history] == [tokenizer.count(text) for text in history]
+    assert counts.count(history[2]) == tokenizer.count(history[2]) and len(calls) == 3  # the last two are kept
+    counts.count(history[0])  # the least recently used went: counted again, and the second text goes
+    assert len(calls) == 4 and len(counts.counts) == 2
+    counts.count(history[1])
+    assert len(calls) == 5
+
+
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
     model = CostModel()
     assert model.added_tokens(300) == 300 + paths.ADDED_OVERHEAD_PRIOR

@@ -70,9 +70,11 @@ class Router:
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
         self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (Turn.view)
+        self.text_tokens: keys.TextTokens | None = None  # ...and its messages' texts, each counted once
         if config.tokenizer_dir:
             from kvturn.model.tokenizer import ChatTokenizer
             self.tokenizer = ChatTokenizer(config.tokenizer_dir)
+            self.text_tokens = keys.TextTokens(self.tokenizer)
         self.vllm = VLLMBackend(config, self.metrics.registry, self.tokenizer)
         self.costs = CostModel()
         if is_redis_url(config.state_path):
