@@ -42,13 +42,9 @@ def other_by_load(calibrations: list[Path], cost_model: Calibration) -> str:
     """Each calibration leg's time outside compute by the requests in flight at arrival, all runs pooled."""
     loads: dict[str, dict[int, list[float]]] = {}
     for path in calibrations:
-        run_rows = rows_of(json.loads(path.read_text()))
-        by_leg: dict[str, list] = {}
-        for row in run_rows:
-            by_leg.setdefault(row.leg, []).append(row)
-        for leg, leg_rows in by_leg.items():
-            for row in leg_rows:
-                loads.setdefault(leg, {}).setdefault(fit.in_flight(row, leg_rows), []).append(row.other_ms)
+        for leg, samples in fit.other_samples(fit.rows_by_leg(rows_of(json.loads(path.read_text())))).items():
+            for load, ms in samples:
+                loads.setdefault(leg, {}).setdefault(load, []).append(ms)
     most = max((n for by_load in loads.values() for n in by_load), default=0)
     lines = ["Time outside compute (ms) by other requests in flight at arrival, calibration runs "
              f"(median, requests); fit: alone + per request, up to {cost_model.other_load_seen:.0f}",
@@ -114,9 +110,9 @@ def leg_details(workload, leg: str, cost_model: Calibration, measured: list[tupl
     for index in sorted(planned_tokens):
         turn_rows = [row for row in rows if row.turn == index]
         sent = f"{statistics.mean(r.input_tokens for r in turn_rows):.0f}" if turn_rows else "-"
-        lines.append(f"| {index} | {median_cell([r.ttft_ms for r in turn_rows])} | {median_cell(simulated_ttft.get(index, []))} "
-                     f"| {sent} | {statistics.mean(planned_tokens[index]):.0f} | "
-                     f"{median_cell([r.other_ms for r in turn_rows])} |")
+        lines.append(f"| {index} | {median_cell([r.ttft_ms for r in turn_rows])} | "
+                     f"{median_cell(simulated_ttft.get(index, []))} | {sent} | "
+                     f"{statistics.mean(planned_tokens[index]):.0f} | {median_cell([r.other_ms for r in turn_rows])} |")
     return "\n".join(lines)
 
 

@@ -362,10 +362,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
             which = f"run {index + 1} of {len(runs)}: " if len(runs) > 1 else ""
             raise CalibrationError(f"{which}not a kvturn bench results JSON: no measured requests under 'legs'")
         rows += run_rows
-        legs: dict[str, list[Row]] = {}
-        for row in run_rows:
-            legs.setdefault(row.leg, []).append(row)
-        by_leg += legs.items()
+        by_leg += rows_by_leg(run_rows).items()
     legs_in_service = step_legs(runs)
     in_service = step_fits(legs_in_service) if legs_in_service else None
     fits = _request_fits(runs, by_leg) if in_service is None else in_service
@@ -378,15 +375,29 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     clean = [r for r in reads if not r.d_to_p_step_ms]
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
-    loads: dict[str, list[tuple[int, float]]] = {}
-    for leg, leg_rows in by_leg:
-        loads.setdefault(leg, []).extend((in_flight(r, leg_rows), r.other_ms) for r in leg_rows)
-    other = {leg: fit_other(samples) for leg, samples in loads.items()}
+    other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
     return {**fits, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,
             "samples": {"requests": len(rows), **fits["samples"]}}
+
+
+def rows_by_leg(run_rows: list[Row]) -> dict[str, list[Row]]:
+    """One run's rows by leg."""
+    legs: dict[str, list[Row]] = {}
+    for row in run_rows:
+        legs.setdefault(row.leg, []).append(row)
+    return legs
+
+
+def other_samples(by_leg: Legs) -> dict[str, list[tuple[int, float]]]:
+    """Each leg's (requests in flight at arrival, time outside compute) of its requests, runs pooled: what
+    fit_other fits."""
+    samples: dict[str, list[tuple[int, float]]] = {}
+    for leg, leg_rows in (by_leg.items() if isinstance(by_leg, dict) else by_leg):
+        samples.setdefault(leg, []).extend((in_flight(r, leg_rows), r.other_ms) for r in leg_rows)
+    return samples
 
 
 def in_flight(row: Row, leg_rows: list[Row]) -> int:
@@ -472,6 +483,11 @@ def steps_seen(samples: step_samples.StepSamples) -> dict[str, float]:
             "prompt_context": float(max((n + context for n, context in chunks), default=0)),
             "decode_batch": float(max((batch for batch, _ in batches), default=0)),
             "decode_attended": float(max((batch * longest for batch, longest in batches), default=0))}
+    return _measured(seen)
+
+
+def _measured(seen: dict[str, float]) -> dict[str, float]:
+    """The shapes of `seen` some sample had (a count of 0 says none did)."""
     return {shape: most for shape, most in seen.items() if most >= 1}
 
 
@@ -517,9 +533,8 @@ def _request_fits(runs: list[dict], by_leg: Legs) -> dict:
     # Of the prompts, what the requests say, a whole prompt's computed tokens for a step's (the batch a decode step
     # ran is not known from them: not compared)
     computed = [row.input_tokens if row.computed is None else row.computed for row in rows]
-    seen = {"prompt_tokens": float(max(computed, default=0)),
-            "prompt_context": float(max((row.input_tokens for row in rows), default=0))}
-    seen = {shape: most for shape, most in seen.items() if most >= 1}
+    seen = _measured({"prompt_tokens": float(max(computed, default=0)),
+                      "prompt_context": float(max((row.input_tokens for row in rows), default=0))})
     return {"compute_fits": fits, "seen": seen, "decode_fit_alone": decode_fit_alone, "decode_step_fit": step_fit,
             "colocated_step_fit": colocated_step, "idle_step_ms": idle_ms, "busy_idle_step_ms": busy_idle_ms,
             "contention": {"prefill_slowdown": slowdown, "decode_step_ms": step_contention},

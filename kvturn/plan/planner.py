@@ -60,9 +60,7 @@ def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calib
 
 
 def beyond_words(beyond: dict[str, dict]) -> str:
-    """The verdict's sentence on the shapes `beyond_calibration` found ("" for none)."""
-    if not beyond:
-        return ""
+    """The verdict's sentence on the shapes `beyond_calibration` found."""
     shapes = [SHAPE_WORDS[shape].format(planned=f"{v['planned']:,.0f}") + f" (the calibration's {v['calibrated']:,.0f})"
               for shape, v in beyond.items()]
     return (f"The calibrated costs are extrapolated here: {'; '.join(shapes)}; a calibration run that reaches these "
