@@ -386,12 +386,18 @@ def test_the_router_counts_a_text_it_has_seen_from_memory_and_keeps_a_bounded_nu
             return tokenizer.count(text)
     counts = keys.TextTokens(Counting(), most=2)
     history = ["You are an agent. " * 40, "Tool result: ok. Next step?", "Fertig: naïve café ✓"]
-    assert [counts.count(text) for text in history] == [tokenizer.count(text) for text in history]
-    assert counts.count(history[2]) == tokenizer.count(history[2]) and len(calls) == 3  # the last two are kept
-    counts.count(history[0])  # the least recently used went: counted again, and the second text goes
+    assert [counts.count(text, "key-a:c1") for text in history] == [tokenizer.count(text) for text in history]
+    assert counts.count(history[2], "key-a:c1") == tokenizer.count(history[2]) and len(calls) == 3  # the last two
+    counts.count(history[0], "key-a:c1")  # the least recently used went: counted again, and the second text goes
     assert len(calls) == 4 and len(counts.counts) == 2
-    counts.count(history[1])
+    counts.count(history[1], "key-a:c1")
     assert len(calls) == 5
+    # Kept per conversation: another's count of the same text (another tenant's, say) is its own, and a turn of no
+    # conversation is counted afresh every time.
+    counts.count(history[1], "key-b:c1")
+    counts.count(history[1], None)
+    counts.count(history[1], None)
+    assert len(calls) == 8 and len(counts.counts) == 2
 
 
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():

@@ -77,16 +77,24 @@ MAX_COUNTED_MESSAGES = 64
 
 
 class TextTokens:
-    """Token counts of message texts, kept by a digest of each text (most recently used first, at most `most`): an
-    agent resends its whole history every turn, and counting all of it again on the router's event loop, ~2.7 ms per
-    2,500 tokens on the dev machine, held up every other turn in flight."""
+    """Token counts of message texts, kept per conversation by a digest of the conversation's key and the text (most
+    recently used first, at most `most`): an agent resends its whole history every turn, and counting all of it
+    again on the router's event loop, ~2.7 ms per 2,500 tokens on the dev machine, held up every other turn in
+    flight. Kept per conversation, so that how fast a text is counted tells no one whether another tenant sent it."""
 
     def __init__(self, tokenizer, most: int = 8192):
         self.tokenizer, self.most = tokenizer, most
         self.counts: OrderedDict[bytes, int] = OrderedDict()
 
-    def count(self, text: str) -> int:
-        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def count(self, text: str, conversation: str | None) -> int:
+        """`text`'s tokens, as counted before in `conversation` (a scoped key); with none, counted afresh."""
+        if conversation is None:
+            return self.tokenizer.count(text)
+        scope = conversation.encode("utf-8", "surrogatepass")
+        digest = hashlib.blake2b(len(scope).to_bytes(4, "big"), digest_size=16)
+        digest.update(scope)
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        key = digest.digest()
         tokens = self.counts.get(key)
         if tokens is None:
             tokens = self.counts[key] = self.tokenizer.count(text)

@@ -125,9 +125,10 @@ class Turn(Streaming):
         """Tokens of the text of `messages` (`size` bytes), counted with the model's tokenizer; None without one,
         or when keys.countable_texts finds them not worth counting here."""
         texts = keys.countable_texts(messages, size)
-        if self.router.text_tokens is None or texts is None:
+        counts = self.router.text_tokens
+        if counts is None or texts is None:
             return None
-        return sum(map(self.router.text_tokens.count, texts))
+        return sum(counts.count(text, self.key) for text in texts)
 
     def known_history(self) -> tuple[int, int]:
         """(bytes, tokens) of the history whose KV the conversation's lease holds; (0, 0) if none is known."""
