@@ -322,10 +322,14 @@ def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
                                                                           "JSONL trace (kvturn router --trace-out)"),
     scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
-    calibration_files: list[Path] = typer.Option(..., "--calibration", metavar="FILE",
-                                                 help="a kvturn bench results JSON from "
-                                                 "this hardware, or a saved --save-calibration; give it again to "
-                                                 "pool several bench runs"),
+    calibration_files: list[str] = typer.Option(..., "--calibration", metavar="FILE|URL",
+                                                help="a kvturn bench results JSON from this hardware, or a saved "
+                                                "--save-calibration; give it again to pool several bench runs. Or "
+                                                "running workers' URLs (a prefill and a decode worker at least), "
+                                                "fitted to their steps in service"),
+    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET",
+                                                 help="the cluster's secret, for workers given by URL to tell their "
+                                                      "steps in service"),
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
@@ -377,7 +381,7 @@ def plan(
     if any(t <= 0 for t in ttl_values) or any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
         raise typer.BadParameter("TTLs and worker counts must be positive, budget shares within (0, 1]")
     try:
-        cost_model = calibration.load_many(calibration_files)
+        cost_model = calibration.load_many(calibration_files, cluster_secret or None)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)

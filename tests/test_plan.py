@@ -5,6 +5,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -12,8 +13,9 @@ from typer.testing import CliRunner
 from chat import conversation
 from kvturn.bench.compare import LEGS
 from kvturn.cli import app
+from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.launch import LocalStack
-from kvturn.plan import calibration, fit, planner, report, trace
+from kvturn.plan import calibration, endpoints, fit, planner, report, trace
 from kvturn.plan import predict
 from kvturn.plan.predict import simulate
 from kvturn.plan.rows import Row, rows_of
@@ -292,6 +294,107 @@ def test_a_bench_run_that_kept_the_workers_steps_calibrates_from_them_alone(cost
     assert set(cost_model.seen) == {"prompt_tokens", "prompt_context"}
     assert stepped.other_ms == cost_model.other_ms and stepped.read_ms_per_mib == cost_model.read_ms_per_mib
     assert calibration.load(stepped.save(tmp_path / "stepped.json")) == stepped
+
+
+SECRET = "s" * 32
+P_URL, D_URL = "http://p.example:8100", "http://d.example:8200"
+
+
+def running_workers(mib_read: tuple[float, float] = (10, 5), read_s: tuple[float, float] = (0.02, 0.05)) -> dict:
+    """What `kvturn plan --calibration URL` reads of a P and a D worker that served turns: url -> {path: reply}.
+    P's steps as the fixture's bench legs keep them (PROMPT_FIT), D's decode steps at DECODE_STEP; P read
+    `mib_read[0]` MiB from D in `read_s[0]` s, D the others from P."""
+    def about(role: str, index: int) -> dict:
+        return {"role": role, "prefill_steps": [], "kv_bytes_per_token": 4096.0,
+                "kv_reads": {"reads": 3, "bytes": int(mib_read[index] * 2**20), "seconds": read_s[index]}}
+    return {P_URL: {"/kv/calibration": about("prefill", 0),
+                    "/kv/steps": {"role": "prefill", "steps": worker_steps(1.0, DECODE_STEP, 1000.0, True, False)[:8],
+                                  "dropped": False}},
+            D_URL: {"/kv/calibration": about("decode", 1),
+                    "/kv/steps": {"role": "decode", "steps": worker_steps(0.8, DECODE_STEP, 2000.0, False, True)
+                                  + JUNK_STEPS, "dropped": False}}}
+
+
+def serving(workers: dict) -> httpx.Client:
+    """A client whose requests the `workers` answer (in-process, as peers: a reply may be anything); /kv/steps only
+    to a caller with SECRET."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        reply = workers.get(f"http://{request.url.host}:{request.url.port}", {}).get(request.url.path)
+        if isinstance(reply, Exception):
+            raise reply
+        if reply is None:
+            return httpx.Response(404, json={"error": {"message": "Not Found"}})
+        if request.url.path == "/kv/steps" and request.headers.get(SECRET_HEADER) != SECRET:
+            return httpx.Response(403, json={"error": {"message": "wrong or missing cluster secret"}})
+        return httpx.Response(200, content=reply if isinstance(reply, bytes) else json.dumps(reply).encode())
+    return httpx.Client(transport=httpx.MockTransport(answer))
+
+
+def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_model):
+    workers = running_workers()
+    model = calibration.Calibration(**endpoints.fitted([P_URL, D_URL + "/"], SECRET, serving(workers)))
+    for n, context in ((4000, 0), (300, 4400), (60, 900)):
+        assert model.prefill_ms(n, context) == pytest.approx(replace_fits(PROMPT_FIT).prefill_ms(n, context), rel=1e-3)
+    assert model.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3) and model.decode_step_padded
+    # P's reads are D's KV read back (10 MiB in 20 ms), D's are P's prompts (5 MiB in 50 ms).
+    assert model.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 10.0})
+    assert model.kv_bytes_per_token == 4096.0 and model.source == f"{P_URL}, {D_URL}"
+    assert model.seen["decode_batch"] == 4 and model.samples["workers"] == 2
+    # No worker measures the router's, HTTP's and tokenizing's time: none is added, and the verdict says so.
+    leg = "bidir/P-cache-off"
+    assert model.other_ms == {} and model.other(leg, 3) == 0.0
+    plan = planner.plan(agent_sessions(2, 3), model, Deployment(), [leg], "pull", False, [60.0], ())
+    assert planner.OTHER_UNMEASURED in plan["verdict"]["text"] and planner.OTHER_UNMEASURED in plan["left_out"]
+    from_bench = planner.plan(agent_sessions(2, 3), cost_model, Deployment(), [leg], "pull", False, [60.0], ())
+    assert planner.OTHER_UNMEASURED not in from_bench["verdict"]["text"] + " ".join(from_bench["left_out"])
+    # Reads one way only stand for both.
+    one_way = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((10, 0)))))
+    assert one_way.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 2.0})
+
+
+def _set(path: tuple, value):
+    def change(workers: dict) -> None:
+        *keys, last = path
+        target = workers
+        for key in keys:
+            target = target[key]
+        target[last] = value
+    return change
+
+
+@pytest.mark.parametrize("change, urls, secret, message", [
+    (None, [P_URL, D_URL], None, "is for cluster members: give the cluster's secret"),
+    (None, [P_URL], SECRET, "give a prefill and a decode worker's URL"),
+    (None, [P_URL, "http://router.example:8000"], SECRET, "not a kvturn worker (GET /kv/calibration answered 404)"),
+    (_set((P_URL, "/kv/calibration"), [1, 2]), [P_URL, D_URL], SECRET, "something other than a JSON object"),
+    (_set((P_URL, "/kv/calibration"), b"{oops"), [P_URL, D_URL], SECRET, "something other than a JSON object"),
+    (_set((P_URL, "/kv/calibration", "role"), "admin"), [P_URL, D_URL], SECRET, "names no worker role"),
+    (_set((D_URL, "/kv/calibration"), b'{"role": "decode", "kv_bytes_per_token": NaN, "kv_reads": {}}'),
+     [P_URL, D_URL], SECRET, "says no KV bytes per token"),
+    (_set((D_URL, "/kv/calibration", "kv_reads", "bytes"), -1), [P_URL, D_URL], SECRET, "whole bytes and seconds"),
+    (_set((D_URL, "/kv/calibration", "kv_reads", "seconds"), "fast"), [P_URL, D_URL], SECRET, "whole bytes"),
+    (_set((D_URL, "/kv/calibration", "kv_bytes_per_token"), 8192.0), [P_URL, D_URL], SECRET, "not one model"),
+    (_set((P_URL, "/kv/steps", "role"), "decode"), [P_URL, D_URL], SECRET, "answered no steps of its prefill"),
+    (_set((D_URL, "/kv/steps", "steps"), JUNK_STEPS), [P_URL, D_URL], SECRET, "the decode workers 0 decode steps"),
+    (_set((D_URL, "/kv/steps"), httpx.ConnectError("refused")), [P_URL, D_URL], SECRET, "cannot reach the worker"),
+])
+def test_a_worker_url_that_answers_wrong_is_refused_naming_it(change, urls, secret, message):
+    workers = running_workers()
+    if change:
+        change(workers)
+    with pytest.raises(fit.CalibrationError) as raised:
+        endpoints.fitted(urls, secret, serving(workers))
+    assert message in str(raised.value)
+
+
+def test_workers_that_read_nothing_yet_or_answer_too_much_are_refused(monkeypatch):
+    with pytest.raises(fit.CalibrationError, match="no worker has read KV from a peer yet"):
+        endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((0, 0))))
+    monkeypatch.setattr(endpoints, "MAX_REPLY_BYTES", 1000)
+    with pytest.raises(fit.CalibrationError, match=f"{P_URL}: GET /kv/steps answered more than 1,000 bytes"):
+        endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers()))
+    with pytest.raises(fit.CalibrationError, match="not both"):
+        calibration.load_many([FIXTURE, P_URL])
 
 
 def test_a_saved_calibration_says_its_decode_step_is_padded_with_a_bool(cost_model, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvturn.plan import endpoints
 from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, SEEN_SHAPES,
                              WORKER_KINDS, CalibrationError, fitted)
 from kvturn.plan.rows import number_within, rows_of
@@ -150,10 +151,17 @@ def _read_object(path: Path, expected: str) -> dict:
     return data
 
 
-def load_many(paths: list[Path]) -> Calibration:
-    """One calibration, or one fitted to several bench results JSONs pooled."""
+def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration:
+    """One calibration, or one fitted to several bench results JSONs pooled, or to running workers given by URL
+    (endpoints.py; `secret`, the cluster's, lets them tell their steps in service)."""
     if not paths:
         raise CalibrationError("no calibration given")
+    urls = [p for p in paths if endpoints.is_url(p)]
+    if urls:
+        if len(urls) < len(paths):
+            raise CalibrationError("give bench results JSONs or workers' URLs, not both")
+        return Calibration(**endpoints.fitted(urls, secret))
+    paths = [Path(p) for p in paths]
     if len(paths) == 1:
         return load(paths[0])
     runs = []

@@ -38,6 +38,10 @@ LEFT_OUT = (
     "the contexts, less than that in batches of uneven histories",
 )
 
+# Said where the calibration measured no time outside compute and transfer (one fitted to workers by URL)
+OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outside compute and transfer (the "
+                    "router, HTTP, tokenizing; 8-19 ms a turn on the dev machine) is not in these TTFTs.")
+
 
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
 BEYOND_SHARE = 0.1
@@ -185,6 +189,8 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
                          f"come back sooner than that.")
     if beyond:
         words.append(beyond_words(beyond))
+    if not calibration.other_ms:
+        words.append(OTHER_UNMEASURED)
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
             "pays_above_history_tokens": break_even, "typical_new_tokens": typical_new,
@@ -218,7 +224,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "legs": {leg: predictions[leg].public() for leg in chosen},
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": asdict(calibration),
-        "left_out": list(LEFT_OUT),
+        "left_out": list(LEFT_OUT) + ([OTHER_UNMEASURED] if not calibration.other_ms else []),
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
     }

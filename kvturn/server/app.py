@@ -161,8 +161,14 @@ def create_app(config: WorkerConfig) -> FastAPI:
 
     @app.get("/kv/calibration")
     async def calibration():
-        """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request."""
-        return {"role": config.role, "prefill_steps": worker.calibration}
+        """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request; and for
+        `kvturn plan --calibration URL`, the KV bytes a token takes and the reads from peers so far (as /metrics
+        counts them)."""
+        layout, stats = worker.engine.kv_cache.layout, worker.connector.stats if worker.connector else None
+        return {"role": config.role, "prefill_steps": worker.calibration,
+                "kv_bytes_per_token": layout.block_bytes / layout.block_size,
+                "kv_reads": {"reads": stats.kv_reads if stats else 0, "bytes": stats.kv_read_bytes if stats else 0,
+                             "seconds": stats.kv_read_seconds if stats else 0.0}}
 
     @app.get("/kv/steps")
     async def steps(request: Request):
