@@ -332,14 +332,14 @@ def serving(workers: dict) -> httpx.Client:
 
 def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_model):
     workers = running_workers()
-    model = calibration.Calibration(**endpoints.fitted([P_URL, D_URL + "/"], SECRET, serving(workers)))
+    model = calibration.Calibration(**endpoints.fitted([P_URL, D_URL + "/", P_URL], SECRET, serving(workers)))
     for n, context in ((4000, 0), (300, 4400), (60, 900)):
         assert model.prefill_ms(n, context) == pytest.approx(replace_fits(PROMPT_FIT).prefill_ms(n, context), rel=1e-3)
     assert model.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3) and model.decode_step_padded
     # P's reads are D's KV read back (10 MiB in 20 ms), D's are P's prompts (5 MiB in 50 ms).
     assert model.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 10.0})
     assert model.kv_bytes_per_token == 4096.0 and model.source == f"{P_URL}, {D_URL}"
-    assert model.seen["decode_batch"] == 4 and model.samples["workers"] == 2
+    assert model.seen["decode_batch"] == 4 and model.samples["workers"] == 2 and model.samples["prefill"] == 8
     # No worker measures the router's, HTTP's and tokenizing's time: none is added, and the verdict says so.
     leg = "bidir/P-cache-off"
     assert model.other_ms == {} and model.other(leg, 3) == 0.0

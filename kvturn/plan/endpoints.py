@@ -65,7 +65,6 @@ def _get(client: httpx.Client, url: str, path: str, **request) -> dict:
 
 def fetch(client: httpx.Client, url: str, secret: str | None) -> WorkerReply:
     """One worker's calibration and steps in service, checked."""
-    url = url.rstrip("/")
     about = _get(client, url, "/kv/calibration")
     role, per_token, reads = about.get("role"), about.get("kv_bytes_per_token"), about.get("kv_reads")
     if role not in step_samples.ROLES:
@@ -108,7 +107,8 @@ def fitted(urls: list[str], secret: str | None, client: httpx.Client | None = No
     own = client is None
     client = client or httpx.Client(timeout=TIMEOUT_S)
     try:
-        replies = [fetch(client, url, secret) for url in urls]
+        # a worker given twice would count its steps twice
+        replies = [fetch(client, url, secret) for url in dict.fromkeys(url.rstrip("/") for url in urls)]
     finally:
         if own:
             client.close()
