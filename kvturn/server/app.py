@@ -19,6 +19,7 @@ from kvturn.engine import step_history
 from kvturn.engine.sequence import Sequence
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
 from kvturn.kv_transfer import side_channel
+from kvturn.kv_transfer.connector import ConnectorStats
 from kvturn.registry import run_registration
 from kvturn.server import openai
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
@@ -164,11 +165,11 @@ def create_app(config: WorkerConfig) -> FastAPI:
         """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request; and for
         `kvturn plan --calibration URL`, the KV bytes a token takes and the reads from peers so far (as /metrics
         counts them)."""
-        layout, stats = worker.engine.kv_cache.layout, worker.connector.stats if worker.connector else None
+        layout = worker.engine.kv_cache.layout
+        stats = worker.connector.stats if worker.connector else ConnectorStats()  # a colocated worker reads none
         return {"role": config.role, "prefill_steps": worker.calibration,
                 "kv_bytes_per_token": layout.block_bytes / layout.block_size,
-                "kv_reads": {"reads": stats.kv_reads if stats else 0, "bytes": stats.kv_read_bytes if stats else 0,
-                             "seconds": stats.kv_read_seconds if stats else 0.0}}
+                "kv_reads": {"reads": stats.kv_reads, "bytes": stats.kv_read_bytes, "seconds": stats.kv_read_seconds}}
 
     @app.get("/kv/steps")
     async def steps(request: Request):
