@@ -40,7 +40,8 @@ LEFT_OUT = (
 
 # Said where the calibration measured no time outside compute and transfer (one fitted to workers by URL)
 OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outside compute and transfer (the "
-                    "router, HTTP, tokenizing; 8-19 ms a turn on the dev machine) is not in these TTFTs.")
+                    "router, HTTP, tokenizing; 10-22 ms a turn of a P/D leg in a calibration run on the dev "
+                    "machine) is not in these TTFTs.")
 
 
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
