@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from kvturn.config import (SERVER_KEEP_ALIVE_S, ConfigError, ConnectorConfig, EngineConfig, RouterConfig,
+from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig,
                            WorkerConfig, default_of, help_of)
 
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
@@ -95,8 +95,7 @@ def worker(
     log_level: str = typer.Option("info"),
 ):
     """Run one worker: engine + NIXL agent + OpenAI-compatible API."""
-    import uvicorn
-
+    from kvturn.http_server import run_server
     from kvturn.server.app import create_app
     engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -113,8 +112,7 @@ def worker(
                    engine=engine,
                    connector=connector)
     setup_logging(log_level)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
-                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
+    run_server(create_app(config), host, port)
 
 
 @app.command()
@@ -145,8 +143,7 @@ def router(
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
-    import uvicorn
-
+    from kvturn.http_server import run_server
     from kvturn.router.app import create_app
     config = build(RouterConfig, prefill_urls=prefill, decode_urls=decode, host=host, port=port,
                    conversation_ttl_s=conversation_ttl_s, max_conversations=max_conversations,
@@ -159,8 +156,7 @@ def router(
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
                    vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
     setup_logging(log_level)
-    uvicorn.run(create_app(config), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30,
-                timeout_keep_alive=SERVER_KEEP_ALIVE_S)
+    run_server(create_app(config), host, port)
 
 
 @app.command()

@@ -250,6 +250,36 @@ def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
         sock.close()
 
 
+def raw_answer(url: str, request: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """(status line, headers, body) of the one answer a server sends to `request` before it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    status, *lines = head.split(b"\r\n")
+    headers = dict(line.split(b":", 1) for line in lines)
+    return status, {name.strip().lower(): value.strip() for name, value in headers.items()}, body
+
+
+@pytest.mark.parametrize("request_bytes", [b"GET /he\x01alth HTTP/1.1\r\nHost: kvturn\r\n\r\n",
+                                           b"POST /v1/completions HTTP/1.1\r\nHost kvturn\r\n\r\n",
+                                           b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not HTTP\r\n\r\n"])
+def test_a_request_the_http_parser_refuses_gets_a_json_error(stacks, request_bytes):
+    """A control character in the request line, a header line without a colon, a TLS hello: refused by the HTTP
+    parser before any app sees them, and still answered with an OpenAI-shaped JSON error, by router and workers."""
+    for name in ("router", "prefill", "decode0"):
+        status, headers, body = raw_answer(stacks["pd"].urls[name], request_bytes)
+        assert status.startswith(b"HTTP/1.1 400"), (name, status)
+        assert headers[b"content-type"] == b"application/json" and headers[b"connection"] == b"close"
+        error = json.loads(body)["error"]
+        assert error["code"] == 400 and error["type"] == "BadRequestError"
+        assert error["message"].startswith("malformed HTTP request")
+    assert httpx.get(f"{stacks['pd'].urls['router']}/health").status_code == 200  # and it serves on
+
+
 def test_kv_params_replayed_through_the_router_are_ignored(stacks):
     """A client cannot make the router hand another conversation's lease to a worker."""
     stack = stacks["bidir"]
