@@ -24,6 +24,12 @@ pins P and D to cores of their own, as on machines of their own, but they still 
 router's and client's processes. The plan models one host (`kvturn plan --one-host`) either way: the slowdown of one
 role while the other computes is what the calibration runs measured, pinned or not.
 
+With --from-workers the same measured runs are also planned from a calibration read off running workers by URL,
+as `kvturn plan --calibration http://P --calibration http://D` reads them with no bench run: a stack of the
+adaptive leg serves the calibration workload (four sessions at a time) through its router, then its P and D are
+read and fitted (OUT/workers/calibration.json; made once, even with --plan-only, and kept). No worker measures the
+time outside compute, so that plan leaves it out, as its verdict says.
+
 Each leg is measured by its own `kvturn bench --compare --legs LEG` (OUT/measured-WORKLOAD/LEG/run-K/results.json;
 calibrations in OUT/calibration/run-K), so the runs can be made a few at a time, each short, and a run already there
 is kept with --reuse-measured:
@@ -33,6 +39,7 @@ is kept with --reuse-measured:
     python benchmarks/plan_accuracy.py --reuse-measured  # plan again, measuring only the runs OUT lacks
     python benchmarks/plan_accuracy.py --plan-only --repeats 3  # plan again against the runs in OUT, measuring none
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
+    python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --plan-only --from-workers --out results/plan-accuracy-pinned
 """
 import argparse
 import json
@@ -42,18 +49,23 @@ import sys
 import time
 from pathlib import Path
 
+from kvturn.bench.compare import LEGS as BENCH_LEGS
+from kvturn.cli import resolve_model
+from kvturn.launch import LocalStack
 from kvturn.plan import step_samples
 from kvturn.plan.calibration import Calibration, load_many
 
 # Turns per session, where the bench's default (4) does not serve: in `concurrent` the eight sessions start together,
 # so their first two turns queue and the last two do not, and the TTFT p50 of 4 x 8 turns is the mean of the 16th
 # and 17th, one from either side of that gap (the simulation put them at 223 and 384 ms): it tells on which side
-# one turn fell, not how fast the turns ran. With 6 turns the p50 falls among the later turns. The demo sweep
+# one turn fell, not how fast the turns ran. With 6 turns the p50 of 48 fell at the 75th percentile of the 32 that
+# did not queue, still near that gap: three sets of rounds on 2026-12-02 missed on a different reuse leg each (runs of
+# one leg 104-176 ms); with 10 turns it falls at the 62nd percentile of 64. The demo sweep
 # likewise: where the history is reused, its four sessions' later turns come in four clusters by history length, and
 # at 4 turns the p50 of 16 turns is the mean of the two slowest of the third session's three, next to the jump to
 # the fourth's (80 and 108 ms in the simulation of colocated); one slow turn of those three moved a run's p50 by a
 # quarter (81-126 ms in three runs of 2026-12-02). At 6 turns it is the mean of the middle two of that session's five.
-TURNS = {"concurrent": 6, "sweep": 6}
+TURNS = {"concurrent": 10, "sweep": 6}
 LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off", "compute-on-D")
 WORKLOADS = ("sweep", "agent-loop", "concurrent")
 TOLERANCE = 0.15
@@ -102,6 +114,26 @@ def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reus
                 if not (reuse and (where / "results.json").exists()):
                     kvturn("bench", "--compare", "--scenario", workload, *turns(workload), "--legs", leg,
                            "--out", str(where), *pinned)
+
+
+def calibrate_from_workers(out: Path, pin: bool) -> Path:
+    """OUT/workers/calibration.json, the cost model `kvturn plan --calibration URL` reads from running workers: a
+    stack of the adaptive leg (P's cache off, so that each of the three paths is taken and D computes prompts too)
+    serves the calibration workload through its router, as a cluster serves its users, and its P and D are then read
+    by URL and fitted. Made once; kept in OUT."""
+    saved = out / "workers" / "calibration.json"
+    if saved.exists():
+        return saved
+    leg = BENCH_LEGS["adaptive"]
+    stack = LocalStack(resolve_model(None), mode=leg.mode, bidirectional=leg.bidirectional,
+                       prefix_caching_on_prefill=leg.prefix_caching_on_prefill,
+                       router_args=["--path-policy", leg.path_policy], log_dir=out / "workers" / "logs",
+                       pin_workers=pin)
+    with stack:
+        kvturn("bench", "--url", stack.url, "--workload", str(CALIBRATION_WORKLOAD), "--sessions",
+               str(CALIBRATION_SESSIONS), "--seed", "1", "--out", str(out / "workers" / "bench"))
+        load_many([stack.urls["prefill"], stack.urls["decode0"]], stack.cluster_secret).save(saved)
+    return saved
 
 
 def predict(out: Path, workloads: list[str], calibrations: list[Path], name: str) -> None:
@@ -212,6 +244,9 @@ def main() -> None:
     parser.add_argument("--plan-only", action="store_true", help="plan against the runs of rounds 1..--repeats "
                                                                   "already in --out, measuring none that is missing")
     parser.add_argument("--pin-workers", action="store_true", help="P and D on cores of their own in every bench run")
+    parser.add_argument("--from-workers", action="store_true",
+                        help="also plan from a calibration read off running workers by URL (made once in "
+                             "OUT/workers) and compare it with the same measured runs")
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
@@ -239,8 +274,16 @@ def main() -> None:
                 rounds[run] = compare(args.out, workloads, f"plan-round-{run}", [run], load_many([path]))
         text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
                  f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in rounds.values()) + " legs.")
+    workers = []
+    if args.from_workers:
+        saved = calibrate_from_workers(args.out, args.pin_workers)
+        predict(args.out, workloads, [saved], "plan-workers")
+        workers = compare(args.out, workloads, "plan-workers", all_rounds, load_many([saved]))
+        text += ("\n\nPlanned instead from the running workers' URLs (no bench run; no time outside compute):\n\n"
+                 + table(workers))
     (args.out / "accuracy.md").write_text(text + "\n")
-    (args.out / "accuracy.json").write_text(json.dumps({"pooled": rows, "rounds": rounds}, indent=2))
+    (args.out / "accuracy.json").write_text(json.dumps({"pooled": rows, "rounds": rounds, "from_workers": workers},
+                                                       indent=2))
     print(text)
 
 
