@@ -76,7 +76,8 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
     table = Table(title=title)
     for col in ("leg", "ok/failed", "TTFT p50", "TTFT p90", "other p50", "TPOT p50", "TPOT p90", "session p50",
                 "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"):
-        table.add_column(col, justify="right" if col != "reuse / declines" else "left")
+        # a leg's name is never cut: it is what the reader looks the row up by; other cells wrap instead
+        table.add_column(col, justify="right" if col != "reuse / declines" else "left", no_wrap=col == "leg")
     for s in summaries:
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(s["reuse_outcomes"].items()))
         table.add_row(s["leg"], f"{s['requests'] - s['failed']}/{s['failed']}",
