@@ -39,7 +39,7 @@ is kept with --reuse-measured:
     python benchmarks/plan_accuracy.py --reuse-measured  # plan again, measuring only the runs OUT lacks
     python benchmarks/plan_accuracy.py --plan-only --repeats 3  # plan again against the runs in OUT, measuring none
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
-    python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --plan-only --from-workers --out results/plan-accuracy-pinned
+    python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --from-workers --out results/plan-accuracy-pinned
 """
 import argparse
 import json
@@ -49,9 +49,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvturn.bench.compare import LEGS as BENCH_LEGS
+from kvturn.bench.compare import leg_stack
 from kvturn.cli import resolve_model
-from kvturn.launch import LocalStack
+from kvturn.config import EngineConfig, default_of
 from kvturn.plan import step_samples
 from kvturn.plan.calibration import Calibration, load_many
 
@@ -124,11 +124,8 @@ def calibrate_from_workers(out: Path, pin: bool) -> Path:
     saved = out / "workers" / "calibration.json"
     if saved.exists():
         return saved
-    leg = BENCH_LEGS["adaptive"]
-    stack = LocalStack(resolve_model(None), mode=leg.mode, bidirectional=leg.bidirectional,
-                       prefix_caching_on_prefill=leg.prefix_caching_on_prefill,
-                       router_args=["--path-policy", leg.path_policy], log_dir=out / "workers" / "logs",
-                       pin_workers=pin)
+    stack = leg_stack(resolve_model(None), "adaptive", out / "workers" / "logs",
+                      default_of(EngineConfig, "kv_cache_mb"), pin_workers=pin)
     with stack:
         kvturn("bench", "--url", stack.url, "--workload", str(CALIBRATION_WORKLOAD), "--sessions",
                str(CALIBRATION_SESSIONS), "--seed", "1", "--out", str(out / "workers" / "bench"))

@@ -216,15 +216,18 @@ def test_kvturn_plan_calibrates_from_the_running_workers_urls(stacks, tmp_path):
     assert refused.exit_code == 2 and "cluster members" in " ".join(refused.output.split())
 
 
+def connect(url: str) -> socket.socket:
+    """A raw TCP connection to the server at `url`, for requests no HTTP client would send."""
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
 def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
     """A server that closes an idle connection first races a client sending on it at that moment: the request
     fails as a disconnect and the router takes the worker for dead (a bench run lost a turn so). kvturn's servers
     outlast uvicorn's default 5 s; the router reuses a connection for less than that, for servers it does not run."""
     assert IDLE_CONNECTION_S < 5 < SERVER_KEEP_ALIVE_S
-    connections = []
-    for name in ("router", "prefill", "decode0"):
-        host, port = stacks["pd"].urls[name].removeprefix("http://").split(":")
-        connections.append(socket.create_connection((host, int(port)), timeout=10))
+    connections = [connect(stacks["pd"].urls[name]) for name in ("router", "prefill", "decode0")]
 
     def health(sock: socket.socket) -> bytes:
         """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
@@ -252,8 +255,7 @@ def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
 
 def raw_answer(url: str, request: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
     """(status line, headers, body) of the one answer a server sends to `request` before it closes."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with connect(url) as sock:
         sock.sendall(request)
         answer = b""
         while chunk := sock.recv(4096):

@@ -145,6 +145,17 @@ def worker_steps(stack: LocalStack, since_s: float) -> tuple[dict[str, list], li
     return steps, missing
 
 
+def leg_stack(model_dir: str, name: str, log_dir: Path, kv_cache_mb: int, scenario: Scenario | None = None,
+              pin_workers: bool = False) -> LocalStack:
+    """The local stack (not yet started) that serves leg `name` of a bench comparison."""
+    leg = LEGS[name]
+    worker_args, decode_args = (scenario.worker_args, scenario.decode_args) if scenario else ([], [])
+    return LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
+                      prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
+                      worker_args=worker_args, decode_args=decode_args,
+                      router_args=["--path-policy", leg.path_policy], log_dir=log_dir, pin_workers=pin_workers)
+
+
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
              log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
              pin_workers: bool = False) -> dict:
@@ -152,11 +163,7 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
     for name in legs:
         leg = LEGS[name]
         console.print(f"[bold]{name}[/bold]: starting {leg.mode} stack")
-        stack = LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
-                           prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                           worker_args=scenario.worker_args, decode_args=scenario.decode_args,
-                           router_args=["--path-policy", leg.path_policy],
-                           log_dir=log_dir / name.replace("/", "_"), pin_workers=pin_workers)
+        stack = leg_stack(model_dir, name, log_dir / name.replace("/", "_"), kv_cache_mb, scenario, pin_workers)
         with stack:
             warm_up(stack.url, source)
             started_s = time.time()
