@@ -1,4 +1,5 @@
 """Workload generation and parsing for the multi-turn benchmark."""
+import dataclasses
 import json
 
 import numpy as np
@@ -6,8 +7,10 @@ import pytest
 
 from kvturn.bench import workload
 from kvturn.bench.client import RequestRecord, RunResult, SessionRecord, sse_chunk
+from kvturn.bench.compare import SCENARIOS
 from kvturn.bench.distributions import Distribution
 from kvturn.bench.report import summarize
+from kvturn.config import ConnectorConfig
 from kvturn.model.tokenizer import ChatTokenizer
 
 
@@ -143,3 +146,16 @@ def test_sse_chunk_reads_data_lines_and_raises_error_chunks():
     for junk in ("data: 5", 'data: "error"', "data: [1, 2]"):
         with pytest.raises(RuntimeError, match="not a JSON object"):
             sse_chunk(junk)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_scenario_starts_workers_whose_settings_are_accepted(name):
+    """A scenario's extra worker settings pass the workers' own start-up checks: resume-after-ttl's 4 s lease was
+    refused beside the default 5 s expiry margin, and `kvturn bench --compare --scenario resume-after-ttl` died."""
+    scenario = SCENARIOS[name]
+    defaults = {field.name: field.default for field in dataclasses.fields(ConnectorConfig)}
+    for args in (scenario.worker_args, scenario.worker_args + scenario.decode_args):  # prefill's, decode's
+        flags = dict(zip(args[::2], args[1::2]))
+        names = {flag: flag.removeprefix("--").replace("-", "_") for flag in flags}
+        assert set(names.values()) <= set(defaults), f"{name}: only connector settings are checked here"
+        ConnectorConfig(**{names[flag]: type(defaults[names[flag]])(value) for flag, value in flags.items()})

@@ -55,8 +55,10 @@ SCENARIOS = {
     "sweep": Scenario("sweep", "one session per first-turn length, fixed new and answer tokens per turn"),
     "no-reuse": Scenario("no-reuse", "independent single-turn requests: nothing to reuse, retention is pure cost",
                          sessions=2),
+    # a worker refuses a lease shorter than the margin at which reads of it are declined (5 s by default)
     "resume-after-ttl": Scenario("resume-after-ttl", "the gap between turns outlasts the 4 s decode lease",
-                                 decode_args=["--decoder-kv-blocks-ttl-s", "4"]),
+                                 decode_args=["--decoder-kv-blocks-ttl-s", "4"],
+                                 worker_args=["--kv-expiry-margin-s", "1"]),
     "edited-history": Scenario("edited-history", "from turn 3 the agent rewrites its first user message: only "
                                                  "the prefix before the edit is reusable"),
     "short-turns": Scenario("short-turns", "short prompts and answers: reusable tokens stay below the threshold"),
