@@ -442,6 +442,28 @@ def test_a_prompt_step_beside_running_decodes_pays_one_fixed_cost_when_fitted_so
     assert first_token["at"] == pytest.approx(expected_ms / 1e3)
 
 
+def test_a_read_from_d_runs_on_ps_thread_before_the_step_that_admits_it_delaying_every_prompt_in_it(cost_model):
+    # kvturn's scheduler starts the reads of the prompts it admits as it schedules a step, on the engine's own
+    # thread (over shared memory UCX copies inside the post), and the step's forward pass waits for them: a read
+    # does not run beside a step in progress, and a prompt admitted beside one that reads waits for that read too.
+    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
+    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    prefill, first_token = sim.prefill[0], {}
+    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
+            for name, new, context in (("first", 300, 0), ("pulled", 200, 2000), ("plain", 100, 0))}
+    jobs["pulled"].read_ms = 40.0
+    sim.at(0.0, prefill.submit_prefill, jobs["first"])
+    sim.at(0.001, prefill.submit_prefill, jobs["pulled"])  # both arrive while the first step computes
+    sim.at(0.001, prefill.submit_prefill, jobs["plain"])
+    sim.run()
+    assert first_token["first"] == pytest.approx(model.prefill_ms(300, 0) / 1e3)
+    together_ms = model.step_prefill_ms([(200, 2000), (100, 0)])
+    expected_s = first_token["first"] + (40.0 + together_ms) / 1e3
+    assert first_token["pulled"] == pytest.approx(expected_s) and first_token["plain"] == pytest.approx(expected_s)
+    assert jobs["pulled"].compute_ms == pytest.approx(together_ms)  # the read is not compute
+    assert prefill.in_flight == 0
+
+
 def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
     # Prompts that cost exactly 10 + 0.1 n ms, measured 0.7-1.3x that: least relative squares alone come out low
     # (they weigh a fast sample more than a slow one); the fit is scaled so half ran slower and half faster.

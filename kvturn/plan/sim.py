@@ -361,11 +361,9 @@ class Simulation:
         context = local + remote
         job = Job(turn.prompt_tokens - context, context, 1, flight, on_finished=self._prefilled)
         worker = self.prefill[prefill]
-        if remote:  # the read runs beside the worker's steps, as the sequence waits in LOADING_KV
-            flight.read_ms = self.calibration.read_ms(remote, "d_to_p")
-            self.at(self.now + flight.read_ms / 1e3, worker.submit_prefill, job)
-        else:
-            worker.submit_prefill(job)
+        if remote:  # read as P's step that admits it is scheduled (StepLoop._step)
+            flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
+        worker.submit_prefill(job)
 
     def _prefilled(self, job: Job, now: float) -> None:
         """P has answered: the router learns from its report and sends the turn on to a decode worker."""

@@ -1,6 +1,7 @@
 """A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
 chunks of waiting prompts within the token budget, a prompt that joins others taking on only what
-`prefill_pack_tokens` leaves, as kvturn's scheduler does. Steps with no prefill in them
+`prefill_pack_tokens` leaves, as kvturn's scheduler does, after reading a peer's KV for the prompts it admits
+(a step waits for those reads). Steps with no prefill in them
 are taken many at a time (until the next request finishes or one arrives), so a long decode is a few events,
 not one per token."""
 import heapq
@@ -26,6 +27,7 @@ class Job:
     joined_step: int = 0
     started: bool = False  # some of its prompt has been computed
     compute_ms: float = 0.0  # of the steps that computed its prompt, as the engine reports a prefill's time
+    read_ms: float = 0.0  # a peer's KV to read when the job is admitted, before its first step
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,6 +161,13 @@ class StepLoop:
         if not self.prefilling:
             self.busy = False
             return
+        # The reads of the prompts admitted now run on the worker's own thread as the step is scheduled, one after
+        # another, before its forward pass (kvturn's scheduler; over shared memory UCX copies inside the post): the
+        # whole step waits for them, the prompts of others as well.
+        reads_ms = 0.0
+        for job in self.prefilling:
+            reads_ms += job.read_ms
+            job.read_ms = 0.0
         budget = self.max_num_batched_tokens - batch
         chunks, ms = [], self._decodes_beside_prompts_ms(batch)
         prompt_tokens = 0
@@ -176,7 +185,7 @@ class StepLoop:
             self.sim.reach_decode(batch, self.context, self.longest)
         ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
         self.steps_in_flight = 1 if batch else 0
-        self.sim.at(now + ms / 1e3, self._end_prefill_step, chunks, batch, ms)
+        self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 
     def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
         now = self.sim.now
