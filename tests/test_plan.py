@@ -148,17 +148,19 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
             calibration.load(tmp_path / "bad.json")
     # Saved before these were fitted (or with the ratio fitted once instead): steps after idling cost what others
     # do, or that times 1 + the slowdown with the other role busy.
-    del saved["idle_step_ms"], saved["busy_idle_step_ms"]
+    del saved["idle_step_ms"], saved["busy_idle_step_ms"], saved["answer_reuse_share"]
     (tmp_path / "older.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits,
                                                      "idle_step_ratio": 1.2}))
     older = calibration.load(tmp_path / "older.json")
     assert older.idle_step_ms == 0.0 and older.busy_idle_step_ms is None
+    assert older.answer_reuse_share == 1.0  # every answer reusable, as planned before it was fitted
     assert older.after_idle_ms(100.0, True) == pytest.approx(100.0 * (1 + older.contention["prefill_slowdown"]))
     for name, value in [("idle_step_ms", v) for v in ("x", True, float("nan"), -0.5, 5000.0)] + \
                        [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)] + \
                        [("other_ms", v) for v in ([], {"colocated": -1.0}, {"colocated": "5"})] + \
                        [("other_ms_per_request", v) for v in ("x", {"colocated": float("nan")})] + \
                        [("other_load_seen", v) for v in (None, -1.0, True)] + \
+                       [("answer_reuse_share", v) for v in ("x", True, float("nan"), -0.1, 1.5)] + \
                        [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0}, {"prompt_tokens": 0},
                                                {"decode_batch": float("nan")})]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
@@ -783,6 +785,43 @@ def test_a_colocated_worker_has_its_own_decode_step_less_the_prompts_it_computed
     assert fitted_.step_fit("colocated") == (5.0, 0.0, 2.0)
     assert fitted_.step_fit("decode") == fitted_.step_fit("prefill") == cost_model.decode_step_fit
     assert replace(cost_model, colocated_step_fit=None).step_fit("colocated") == cost_model.decode_step_fit
+
+
+def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_what_p_read_from_d():
+    # Eight conversations of two turns: P read back the first prompt and `share` of its 40-token answer, in full
+    # 16-token blocks; the prompts' lengths fall differently within a block, so the blocks tell the share apart.
+    def rows(share: float) -> list[Row]:
+        made = []
+        for i in range(8):
+            first = 1000 + 37 * i
+            second = first + 40 + 150
+            read = (first + int(share * 40)) // 16 * 16
+            for turn, tokens, from_decode in ((0, first, 0), (1, second, read)):
+                made.append(Row("bidir/P-cache-off", f"c{i}", turn, 0.0, 50.0, 60.0, tokens, 40, None,
+                                tokens - from_decode, 40.0, 0.0, 1.0 if from_decode else 0.0, 0.0,
+                                from_decode * 100, 0, from_decode))
+        return made
+    assert fit.answer_reuse_share([rows(0.0)]) == 0.0
+    assert fit.answer_reuse_share([rows(1.0)]) == 1.0
+    assert fit.answer_reuse_share([rows(0.5)]) == pytest.approx(0.5, abs=0.05)
+    # A turn pairs only with the turn before it in its own run: split over two runs, no turn read after another.
+    assert fit.answer_reuse_share([rows(0.0)[0::2], rows(0.0)[1::2]]) is None
+    assert fit.answer_reuse_share([[row for row in rows(1.0) if row.turn == 0]]) is None
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_an_answer_resent_as_other_tokens_is_computed_again_on_p(cost_model, share):
+    # The second turn resends the first prompt and its 32-token answer: with none of the answer reusable, P reads
+    # the first prompt's full blocks only and computes the answer again with the new tokens.
+    workload = agent_sessions(1, 2, think_s=0.5)
+    first, second = workload.sessions[0].turns
+    sim = Simulation(workload, LEGS["bidir/P-cache-off"], Deployment(),
+                     replace(cost_model, answer_reuse_share=share)).run()
+    reused = sim.results[1].reused_tokens
+    assert reused == (first.prompt_tokens + int(share * 32)) // 16 * 16
+    assert trace.reusable(first, second, share) == first.prompt_tokens + int(share * 32)
+    edited = replace(second, shared_tokens=100)  # an edited history shares what it says, whatever the answers did
+    assert trace.reusable(first, edited, share) == 100
 
 
 def test_a_zero_ttl_never_reuses_and_a_recompute_leg_retains_nothing(cost_model):

@@ -67,6 +67,10 @@ class Calibration:
     # fit.SEEN_SHAPES at the most the calibration run measured them (a shape it does not say, as saved before or
     # unknown from requests alone, is not compared with the plan's)
     seen: dict[str, float] = field(default_factory=dict)
+    # Of a turn's answer, the share the next turn reuses from the decode worker's retention (fit.answer_reuse_share):
+    # the rest of it is resent as tokens other than those generated, and computed again; 1, as saved before or
+    # read off workers, which do not say it
+    answer_reuse_share: float = 1.0
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -210,6 +214,8 @@ def load(path: Path) -> Calibration:
             per_leg = getattr(calibration, name)
             if not isinstance(per_leg, dict) or not all(number_within(v, 0.0, MAX_OTHER_MS) for v in per_leg.values()):
                 raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
+        if not number_within(calibration.answer_reuse_share, 0.0, 1.0):
+            raise CalibrationError(f"{path}: answer_reuse_share must be a number from 0 to 1")
         if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):
             raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
         seen = calibration.seen

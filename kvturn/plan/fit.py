@@ -376,11 +376,37 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
-    return {**fits, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
+    share = answer_reuse_share([rows_of(run) for run in runs])
+    return {**fits, "answer_reuse_share": 1.0 if share is None else share, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,
             "samples": {"requests": len(rows), **fits["samples"]}}
+
+
+ANSWER_SHARES = np.linspace(0.0, 1.0, 21)  # the shares of an answer answer_reuse_share chooses from
+
+
+def answer_reuse_share(runs: list[list[Row]]) -> float | None:
+    """How much of a turn's answer the next turn reused from the decode worker's retention, as a share of the
+    answer's tokens: of the shares 0, 0.05, ..., 1, the one whose reuse (the previous prompt and that share of its
+    answer, in full blocks) comes closest to what P read from D over every turn that read any; None with no such
+    turn. An answer is resent as text, and the tokens it becomes need not be those that were generated (a chat
+    template that writes past answers otherwise, a tokenizer that merges a random-weight model's tokens): KV is
+    reusable only up to the first that differ. On the dev machine's embedded model ~0 (every answer of the
+    calibration run diverged within its first block); a model whose answers tokenize back as generated gives 1."""
+    pairs = []
+    for rows in runs:  # a turn pairs with the previous turn of its own run and leg
+        previous = {(row.leg, row.conversation_id, row.turn): row for row in rows}
+        pairs += [(row, before) for row in rows if row.tokens_from_decode > 0
+                  and (before := previous.get((row.leg, row.conversation_id, row.turn - 1))) is not None]
+    if not pairs:
+        return None
+
+    def error(share: float) -> float:
+        return sum(abs(min(before.input_tokens + int(share * before.output_tokens), row.input_tokens - 1)
+                       // BLOCK_SIZE * BLOCK_SIZE - row.tokens_from_decode) for row, before in pairs)
+    return float(min(ANSWER_SHARES, key=error))  # the least share of the best (ties: the first)
 
 
 def rows_by_leg(run_rows: list[Row]) -> dict[str, list[Row]]:

@@ -10,7 +10,7 @@ from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
 from kvturn.plan.sim import Deployment
-from kvturn.plan.trace import Workload
+from kvturn.plan.trace import Workload, reusable
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
 BUDGET_SHARES = (0.5, 0.25)  # budgets swept beside the deployment's own: shares of its peak retained KV
@@ -27,7 +27,8 @@ LEFT_OUT = (
     "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated; its "
     "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
-    "answers re-tokenized differently when resent in the next prompt (counted at their generated length)",
+    "a resent answer's length as the next prompt tokenizes it (counted at its generated length; how much of it "
+    "the next turn can reuse from retention is calibrated)",
     "router, HTTP and the workers' tokenizing as a time per leg that grows by calibrated ms with each request in "
     "flight beside the turn, up to the most the calibration run saw, not a queue of its own (from a bench run that "
     "did not record the engines' own wait, a worker's tokenizing is counted as its queue, and left out)",
@@ -41,7 +42,8 @@ LEFT_OUT = (
 # Said where the calibration measured no time outside compute and transfer (one fitted to workers by URL)
 OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outside compute and transfer (the "
                     "router, HTTP, tokenizing; 10-22 ms a turn of a P/D leg in a calibration run on the dev "
-                    "machine) is not in these TTFTs.")
+                    "machine) is not in these TTFTs, and every answer is taken as reusable by the next turn (of "
+                    "the embedded random-weight model's, hardly any is: they tokenize back as other tokens).")
 
 
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
@@ -159,7 +161,8 @@ def cheapest_ttl_keeping_gain(points: list[SweepPoint], budget_mib: int | None) 
 def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, candidate: str,
             calibration: Calibration, deployment: Deployment, points: list[SweepPoint], beyond: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
-    new_tokens = [t.prompt_tokens - t.shared_tokens for s in workload.sessions for t in s.turns[1:]]
+    new_tokens = [t.prompt_tokens - reusable(before, t, calibration.answer_reuse_share)
+                  for s in workload.sessions for before, t in zip(s.turns, s.turns[1:])]
     typical_new = int(np.median(new_tokens)) if new_tokens else 0
     break_even = break_even_history(calibration, typical_new, baseline, candidate)
     if break_even is not None:  # below the threshold the prefill worker declines to read at all

@@ -13,7 +13,7 @@ from kvturn.plan.calibration import Calibration
 from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
-from kvturn.plan.trace import Session, TurnDemand, Workload
+from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
 from kvturn.router import paths
 from kvturn.router.workers import Claim, WorkerPool
 
@@ -262,7 +262,9 @@ class Simulation:
         turn = state.session.turns[state.next_turn]
         result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
         self.results.append(result)
-        flight = Flight(state, turn, result, self._blocks(min(turn.shared_tokens, turn.prompt_tokens - 1)))
+        previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
+        shareable = reusable(previous, turn, self.calibration.answer_reuse_share)
+        flight = Flight(state, turn, result, self._blocks(min(shareable, turn.prompt_tokens - 1)))
         if arrival_s <= self.now:
             self._arrive(flight)
         else:

@@ -57,6 +57,15 @@ def continues(previous: TurnDemand, prompt_tokens: int) -> int:
     return history if prompt_tokens >= history else 0
 
 
+def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
+    """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
+    of the previous answer that comes back as other tokens than those generated (`answer_share` of it does not;
+    Calibration.answer_reuse_share). A prompt that does not continue the previous prompt and answer keeps its own."""
+    if previous is None or turn.shared_tokens != previous.prompt_tokens + previous.output_tokens:
+        return turn.shared_tokens
+    return previous.prompt_tokens + int(answer_share * previous.output_tokens)
+
+
 def from_conversations(name: str, conversations: list, tokenizer, clients: int) -> Workload:
     """Token counts of conversations as the bench replays them: the chat template around the system prompt, the
     user turns so far and the answers (each as long as the tokens asked for, as with ignore_eos)."""
