@@ -21,7 +21,7 @@ from kvturn.plan.predict import simulate
 from kvturn.plan.rows import Row, rows_of
 from kvturn.plan.sim import Deployment, RouterPool, Simulation
 from kvturn.plan.step_samples import Step, parse_step
-from kvturn.plan.steps import Job
+from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plan_bench_results.json"
@@ -153,7 +153,7 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
                                                      "idle_step_ratio": 1.2}))
     older = calibration.load(tmp_path / "older.json")
     assert older.idle_step_ms == 0.0 and older.busy_idle_step_ms is None
-    assert older.answer_reuse_share == 1.0  # every answer reusable, as planned before it was fitted
+    assert older.answer_reuse_share is None and older.answer_share == 1.0  # unmeasured: every answer reusable
     assert older.after_idle_ms(100.0, True) == pytest.approx(100.0 * (1 + older.contention["prefill_slowdown"]))
     for name, value in [("idle_step_ms", v) for v in ("x", True, float("nan"), -0.5, 5000.0)] + \
                        [("busy_idle_step_ms", v) for v in ("x", False, float("inf"), -1.0, 5000.0)] + \
@@ -349,6 +349,11 @@ def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_mo
     assert planner.OTHER_UNMEASURED in plan["verdict"]["text"] and planner.OTHER_UNMEASURED in plan["left_out"]
     from_bench = planner.plan(agent_sessions(2, 3), cost_model, Deployment(), [leg], "pull", False, [60.0], ())
     assert planner.OTHER_UNMEASURED not in from_bench["verdict"]["text"] + " ".join(from_bench["left_out"])
+    # Nor how much of an answer comes back: every answer is planned as reusable, and the verdict says that too.
+    assert model.answer_reuse_share is None and model.answer_share == 1.0
+    assert planner.ANSWER_UNMEASURED in plan["verdict"]["text"] and planner.ANSWER_UNMEASURED in plan["left_out"]
+    assert cost_model.answer_reuse_share is not None
+    assert planner.ANSWER_UNMEASURED not in from_bench["verdict"]["text"] + " ".join(from_bench["left_out"])
     # Reads one way only stand for both.
     one_way = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((10, 0)))))
     assert one_way.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 2.0})
@@ -464,6 +469,26 @@ def test_a_read_from_d_runs_on_ps_thread_before_the_step_that_admits_it_delaying
     assert first_token["pulled"] == pytest.approx(expected_s) and first_token["plain"] == pytest.approx(expected_s)
     assert jobs["pulled"].compute_ms == pytest.approx(together_ms)  # the read is not compute
     assert prefill.in_flight == 0
+
+
+def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_scheduler_reaches_it(cost_model):
+    # kvturn's scheduler admits waiting prompts in turn and stops at one without a peer's KV that finds the step's
+    # pack full: a pulled prompt behind it is not read in that step. In the next, it is read and joins last, after
+    # the prompt ahead of it, in what room that one left.
+    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
+    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    prefill, first_token = sim.prefill[0], {}
+    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
+            for name, new, context in (("first", 300, 0), ("long", 600, 0), ("plain", 100, 0), ("pulled", 200, 2000))}
+    jobs["pulled"].read_ms = 40.0
+    sim.at(0.0, prefill.submit_prefill, jobs["first"])
+    for name in ("long", "plain", "pulled"):  # queued in this order while the first step computes
+        sim.at(0.001, prefill.submit_prefill, jobs[name])
+    sim.run()
+    long_s = first_token["first"] + model.prefill_ms(600, 0) / 1e3  # alone: it fills the pack, the others wait
+    assert first_token["long"] == pytest.approx(long_s)
+    together_s = long_s + (40.0 + model.step_prefill_ms([(100, 0), (200, 2000)])) / 1e3
+    assert first_token["plain"] == pytest.approx(together_s) and first_token["pulled"] == pytest.approx(together_s)
 
 
 def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
@@ -787,39 +812,53 @@ def test_a_colocated_worker_has_its_own_decode_step_less_the_prompts_it_computed
     assert replace(cost_model, colocated_step_fit=None).step_fit("colocated") == cost_model.decode_step_fit
 
 
-def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_what_p_read_from_d():
-    # Eight conversations of two turns: P read back the first prompt and `share` of its 40-token answer, in full
-    # 16-token blocks; the prompts' lengths fall differently within a block, so the blocks tell the share apart.
-    def rows(share: float) -> list[Row]:
+def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_where_reuse_ended():
+    # Sixteen conversations of two turns whose first prompts fall at every offset within a 16-token block: the
+    # second turn reused the first prompt and `share` of its 40-token answer, in the full blocks D retained. P read
+    # all of that from D, or (`local`) had the first prompt's blocks in its own cache and read only the rest.
+    def rows(share: float, local: bool = False, edited: bool = False) -> list[Row]:
         made = []
-        for i in range(8):
+        for i in range(16):
             first = 1000 + 37 * i
-            second = first + 40 + 150
-            read = (first + int(share * 40)) // 16 * 16
-            for turn, tokens, from_decode in ((0, first, 0), (1, second, read)):
-                made.append(Row("bidir/P-cache-off", f"c{i}", turn, 0.0, 50.0, 60.0, tokens, 40, None,
-                                tokens - from_decode, 40.0, 0.0, 1.0 if from_decode else 0.0, 0.0,
-                                from_decode * 100, 0, from_decode))
+            second = first + 40 + 150 if not edited else first - 300  # an edit resends less than the history
+            reused = min(first + int(share * 40), first + 39) // 16 * 16 if not edited else 512
+            read = reused - (first // 16 * 16 if local else 0)
+            for turn, tokens, computed, from_decode in ((0, first, first, 0), (1, second, second - reused, read)):
+                made.append(Row("bidir/P-cache-off", f"c{i}", turn, 0.0, 50.0, 60.0, tokens, 40, None, computed,
+                                40.0, 0.0, 1.0 if from_decode else 0.0, 0.0, from_decode * 100, 0, from_decode))
         return made
-    assert fit.answer_reuse_share([rows(0.0)]) == 0.0
-    assert fit.answer_reuse_share([rows(1.0)]) == 1.0
-    assert fit.answer_reuse_share([rows(0.5)]) == pytest.approx(0.5, abs=0.05)
+    for share in (0.0, 0.5, 1.0):
+        assert fit.answer_reuse_share([rows(share)]) == share
+        if share:  # (with none of the answer reusable, P had it all and read nothing)
+            assert fit.answer_reuse_share([rows(share, local=True)]) == share  # where reuse ended, not the read
+        assert fit.answer_reuse_share([rows(share) + [replace(r, leg="edits") for r in rows(0.0, edited=True)]]) \
+            == share  # an edited history's reuse ends at the edit and says nothing of answers
     # A turn pairs only with the turn before it in its own run: split over two runs, no turn read after another.
     assert fit.answer_reuse_share([rows(0.0)[0::2], rows(0.0)[1::2]]) is None
-    assert fit.answer_reuse_share([[row for row in rows(1.0) if row.turn == 0]]) is None
+    assert fit.answer_reuse_share([rows(1.0, edited=True)]) is None
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
-def test_an_answer_resent_as_other_tokens_is_computed_again_on_p(cost_model, share):
+def test_an_answer_resent_as_other_tokens_is_computed_again_on_p(cost_model, share, monkeypatch):
     # The second turn resends the first prompt and its 32-token answer: with none of the answer reusable, P reads
     # the first prompt's full blocks only and computes the answer again with the new tokens.
     workload = agent_sessions(1, 2, think_s=0.5)
     first, second = workload.sessions[0].turns
     sim = Simulation(workload, LEGS["bidir/P-cache-off"], Deployment(),
                      replace(cost_model, answer_reuse_share=share)).run()
+    answer = first.output_tokens
     reused = sim.results[1].reused_tokens
-    assert reused == (first.prompt_tokens + int(share * 32)) // 16 * 16
-    assert trace.reusable(first, second, share) == first.prompt_tokens + int(share * 32)
+    assert reused == (first.prompt_tokens + int(share * answer)) // 16 * 16
+    assert trace.reusable(first, second, share) == first.prompt_tokens + int(share * answer)
+    # P computed the rest: the answer again where none of it was reusable, with the new tokens.
+    again = replace(cost_model, answer_reuse_share=share, step_scatter={})
+    lone = Simulation(Workload("one", [Session("s", [first, second])], 1), LEGS["bidir/P-cache-off"],
+                      Deployment(), again)
+    computed, submit = [], StepLoop.submit_prefill
+    monkeypatch.setattr(StepLoop, "submit_prefill", lambda loop, job: (computed.append(job.prefill_tokens),
+                                                                        submit(loop, job))[1])
+    lone.run()
+    assert computed[1] == second.prompt_tokens - reused
     edited = replace(second, shared_tokens=100)  # an edited history shares what it says, whatever the answers did
     assert trace.reusable(first, edited, share) == 100
 

@@ -68,9 +68,9 @@ class Calibration:
     # unknown from requests alone, is not compared with the plan's)
     seen: dict[str, float] = field(default_factory=dict)
     # Of a turn's answer, the share the next turn reuses from the decode worker's retention (fit.answer_reuse_share):
-    # the rest of it is resent as tokens other than those generated, and computed again; 1, as saved before or
-    # read off workers, which do not say it
-    answer_reuse_share: float = 1.0
+    # the rest of it is resent as tokens other than those generated, and computed again. None: not measured (saved
+    # before, read off workers, or a run where no turn read from D after another), and planned as all of it
+    answer_reuse_share: float | None = None
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -125,6 +125,11 @@ class Calibration:
         """The quantiles a prompt step of `worker` draws its time's factor from; a kind the calibration run did not
         measure has P's; none: the fit's time."""
         return self.step_scatter.get(worker) or self.step_scatter.get("prefill") or []
+
+    @property
+    def answer_share(self) -> float:
+        """The share of an answer the plan reuses next turn: as measured, or all of it."""
+        return 1.0 if self.answer_reuse_share is None else self.answer_reuse_share
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -214,8 +219,8 @@ def load(path: Path) -> Calibration:
             per_leg = getattr(calibration, name)
             if not isinstance(per_leg, dict) or not all(number_within(v, 0.0, MAX_OTHER_MS) for v in per_leg.values()):
                 raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
-        if not number_within(calibration.answer_reuse_share, 0.0, 1.0):
-            raise CalibrationError(f"{path}: answer_reuse_share must be a number from 0 to 1")
+        if calibration.answer_reuse_share is not None and not number_within(calibration.answer_reuse_share, 0.0, 1.0):
+            raise CalibrationError(f"{path}: answer_reuse_share must be a number from 0 to 1, or null")
         if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):
             raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
         seen = calibration.seen

@@ -355,9 +355,10 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     runs = results if isinstance(results, list) else [results]
     if not runs:
         raise CalibrationError("no bench run to calibrate from")
-    rows, by_leg = [], []
+    rows, by_leg, run_rows_of = [], [], []
     for index, run in enumerate(runs):
         run_rows = rows_of(run)
+        run_rows_of.append(run_rows)
         if not run_rows:
             which = f"run {index + 1} of {len(runs)}: " if len(runs) > 1 else ""
             raise CalibrationError(f"{which}not a kvturn bench results JSON: no measured requests under 'legs'")
@@ -376,37 +377,45 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     d_to_p = _read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean or reads])
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
-    share = answer_reuse_share([rows_of(run) for run in runs])
-    return {**fits, "answer_reuse_share": 1.0 if share is None else share, "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
+    return {**fits, "answer_reuse_share": answer_reuse_share(run_rows_of),
+            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,
             "samples": {"requests": len(rows), **fits["samples"]}}
 
 
-ANSWER_SHARES = np.linspace(0.0, 1.0, 21)  # the shares of an answer answer_reuse_share chooses from
+ANSWER_SHARES = [i / 20 for i in range(21)]  # the shares of an answer answer_reuse_share chooses from
 
 
 def answer_reuse_share(runs: list[list[Row]]) -> float | None:
     """How much of a turn's answer the next turn reused from the decode worker's retention, as a share of the
     answer's tokens: of the shares 0, 0.05, ..., 1, the one whose reuse (the previous prompt and that share of its
-    answer, in full blocks) comes closest to what P read from D over every turn that read any; None with no such
-    turn. An answer is resent as text, and the tokens it becomes need not be those that were generated (a chat
-    template that writes past answers otherwise, a tokenizer that merges a random-weight model's tokens): KV is
-    reusable only up to the first that differ. On the dev machine's embedded model ~0 (every answer of the
-    calibration run diverged within its first block); a model whose answers tokenize back as generated gives 1."""
+    answer, in the full blocks D retained) comes closest to where reuse ended (the prompt tokens P did not compute)
+    over every turn that read from D and extends the previous prompt and answer; the middle one where several come
+    as close (full blocks often cannot tell neighbours apart); None with no such turn. An answer is resent as
+    text, and the tokens it becomes need not be those that were generated (a chat template that writes past
+    answers otherwise, a tokenizer that merges a random-weight model's tokens): KV is reusable only up to the first
+    that differ. On the embedded random-weight model 0.05 (2026-12-03: every read ended within a block of the
+    previous prompt); a model whose answers tokenize back as generated gives 1."""
     pairs = []
     for rows in runs:  # a turn pairs with the previous turn of its own run and leg
         previous = {(row.leg, row.conversation_id, row.turn): row for row in rows}
-        pairs += [(row, before) for row in rows if row.tokens_from_decode > 0
-                  and (before := previous.get((row.leg, row.conversation_id, row.turn - 1))) is not None]
+        for row in rows:
+            before = previous.get((row.leg, row.conversation_id, row.turn - 1))
+            if row.tokens_from_decode > 0 and before is not None and \
+                    row.input_tokens >= before.input_tokens + before.output_tokens:  # not an edited history
+                reused = row.input_tokens - row.computed if row.computed is not None else row.tokens_from_decode
+                pairs.append((before.input_tokens, before.output_tokens, row.input_tokens, reused))
     if not pairs:
         return None
 
-    def error(share: float) -> float:
-        return sum(abs(min(before.input_tokens + int(share * before.output_tokens), row.input_tokens - 1)
-                       // BLOCK_SIZE * BLOCK_SIZE - row.tokens_from_decode) for row, before in pairs)
-    return float(min(ANSWER_SHARES, key=error))  # the least share of the best (ties: the first)
+    def error(share: float) -> int:
+        return sum(abs(min(before + int(share * answer), before + answer - 1, prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
+                       - reused) for before, answer, prompt, reused in pairs)
+    errors = [error(share) for share in ANSWER_SHARES]
+    best = [share for share, e in zip(ANSWER_SHARES, errors) if e == min(errors)]
+    return best[(len(best) - 1) // 2]
 
 
 def rows_by_leg(run_rows: list[Row]) -> dict[str, list[Row]]:

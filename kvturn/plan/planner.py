@@ -23,6 +23,8 @@ LEFT_OUT = (
     "contention between processes sharing cores or a GPU beyond what the calibration run itself saw (a fit to its "
     "steps in service holds the run's own mix, whatever the planned load)",
     "bandwidth shared by concurrent KV reads (each read runs at the calibrated MiB/s alone)",
+    "the decode worker's steps waiting for its read of P's prompt KV (that read runs beside them; P's read of D's "
+    "retained KV holds up P's step, as kvturn's scheduler reads over shared memory)",
     "preemption of running requests when a pool fills (leases are reclaimed, no request is ever preempted)",
     "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated; its "
     "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
@@ -42,8 +44,12 @@ LEFT_OUT = (
 # Said where the calibration measured no time outside compute and transfer (one fitted to workers by URL)
 OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outside compute and transfer (the "
                     "router, HTTP, tokenizing; 10-22 ms a turn of a P/D leg in a calibration run on the dev "
-                    "machine) is not in these TTFTs, and every answer is taken as reusable by the next turn (of "
-                    "the embedded random-weight model's, hardly any is: they tokenize back as other tokens).")
+                    "machine) is not in these TTFTs.")
+# Said where the calibration did not measure how much of an answer the next turn reuses
+ANSWER_UNMEASURED = ("The calibration did not measure how much of an answer the next turn reuses from retention "
+                     "(no turn read from a decode worker after another): every answer is taken as reusable whole, "
+                     "as it is only where answers tokenize back as they were generated (of the embedded "
+                     "random-weight model's, hardly any is).")
 
 
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
@@ -161,7 +167,7 @@ def cheapest_ttl_keeping_gain(points: list[SweepPoint], budget_mib: int | None) 
 def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, candidate: str,
             calibration: Calibration, deployment: Deployment, points: list[SweepPoint], beyond: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
-    new_tokens = [t.prompt_tokens - reusable(before, t, calibration.answer_reuse_share)
+    new_tokens = [t.prompt_tokens - reusable(before, t, calibration.answer_share)
                   for s in workload.sessions for before, t in zip(s.turns, s.turns[1:])]
     typical_new = int(np.median(new_tokens)) if new_tokens else 0
     break_even = break_even_history(calibration, typical_new, baseline, candidate)
@@ -193,6 +199,8 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
                          f"come back sooner than that.")
     if beyond:
         words.append(beyond_words(beyond))
+    if calibration.answer_reuse_share is None:
+        words.append(ANSWER_UNMEASURED)
     if not calibration.other_ms:
         words.append(OTHER_UNMEASURED)
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
@@ -228,7 +236,8 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "legs": {leg: predictions[leg].public() for leg in chosen},
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": asdict(calibration),
-        "left_out": list(LEFT_OUT) + ([OTHER_UNMEASURED] if not calibration.other_ms else []),
+        "left_out": list(LEFT_OUT) + ([ANSWER_UNMEASURED] if calibration.answer_reuse_share is None else []) +
+                    ([OTHER_UNMEASURED] if not calibration.other_ms else []),
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
     }

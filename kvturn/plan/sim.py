@@ -263,7 +263,7 @@ class Simulation:
         result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        shareable = reusable(previous, turn, self.calibration.answer_reuse_share)
+        shareable = reusable(previous, turn, self.calibration.answer_share)
         flight = Flight(state, turn, result, self._blocks(min(shareable, turn.prompt_tokens - 1)))
         if arrival_s <= self.now:
             self._arrive(flight)

@@ -1,9 +1,8 @@
 """A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
 chunks of waiting prompts within the token budget, a prompt that joins others taking on only what
 `prefill_pack_tokens` leaves, as kvturn's scheduler does, after reading a peer's KV for the prompts it admits
-(a step waits for those reads). Steps with no prefill in them
-are taken many at a time (until the next request finishes or one arrives), so a long decode is a few events,
-not one per token."""
+(a step waits for those reads). Steps with no prefill in them are taken many at a time (until the next request
+finishes or one arrives), so a long decode is a few events, not one per token."""
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -161,17 +160,11 @@ class StepLoop:
         if not self.prefilling:
             self.busy = False
             return
-        # The reads of the prompts admitted now run on the worker's own thread as the step is scheduled, one after
-        # another, before its forward pass (kvturn's scheduler; over shared memory UCX copies inside the post): the
-        # whole step waits for them, the prompts of others as well.
-        reads_ms = 0.0
-        for job in self.prefilling:
-            reads_ms += job.read_ms
-            job.read_ms = 0.0
+        reads_ms, order = self._admit(batch)
         budget = self.max_num_batched_tokens - batch
         chunks, ms = [], self._decodes_beside_prompts_ms(batch)
         prompt_tokens = 0
-        for job in self.prefilling:
+        for job in order:
             room = self.prefill_pack_tokens - prompt_tokens
             if budget <= 0 or (room <= 0 and not job.started):
                 break
@@ -186,6 +179,38 @@ class StepLoop:
         ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
+
+    def _admit(self, batch: int) -> tuple[float, list[Job]]:
+        """(ms of the reads the step waits for, the prompts it takes up in order), as kvturn's scheduler admits them:
+        the prompts under way first, then the others in turn while the step's token budget lasts, one whose KV a
+        peer holds whatever the pack's room (its read starts), one without only while there is room. The reads run
+        one after another on the worker's own thread before the forward pass (over shared memory UCX copies inside
+        the post), and the prompts they filled join the step last, in what room is left."""
+        budget, taken = self.max_num_batched_tokens - batch, 0
+        order = [job for job in self.prefilling if job.started]
+        for job in order:
+            n = min(job.prefill_tokens, max(budget, 0))
+            budget -= n
+            taken += n
+        reads_ms, read = 0.0, []
+        for job in self.prefilling:
+            if job.started:
+                continue
+            if budget <= 0:
+                break
+            if job.read_ms:
+                reads_ms += job.read_ms
+                job.read_ms = 0.0
+                read.append(job)
+                continue
+            room = self.prefill_pack_tokens - taken
+            if room <= 0:
+                break
+            n = min(job.prefill_tokens, budget if taken == 0 else min(budget, room))
+            budget -= n
+            taken += n
+            order.append(job)
+        return reads_ms, order + read
 
     def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
         now = self.sim.now

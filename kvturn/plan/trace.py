@@ -59,7 +59,7 @@ def continues(previous: TurnDemand, prompt_tokens: int) -> int:
 
 def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
     """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
-    of the previous answer that comes back as other tokens than those generated (`answer_share` of it does not;
+    of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
     Calibration.answer_reuse_share). A prompt that does not continue the previous prompt and answer keeps its own."""
     if previous is None or turn.shared_tokens != previous.prompt_tokens + previous.output_tokens:
         return turn.shared_tokens
