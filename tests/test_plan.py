@@ -491,6 +491,30 @@ def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_schedule
     assert first_token["plain"] == pytest.approx(together_s) and first_token["pulled"] == pytest.approx(together_s)
 
 
+def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_the_running_for_room(cost_model):
+    # Directly behind a prompt that fills the pack, a pulled prompt is admitted anyway: its read holds up that
+    # step, and it computes in the next, before the plain prompt that queued behind it and found no room.
+    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
+    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    prefill, first_token = sim.prefill[0], {}
+    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
+            for name, new, context in (("first", 300, 0), ("long", 600, 0), ("pulled", 200, 2000), ("plain", 100, 0),
+                                       ("later", 50, 1000))}
+    jobs["pulled"].read_ms = 40.0
+    jobs["later"].read_ms = 30.0
+    sim.at(0.0, prefill.submit_prefill, jobs["first"])
+    for name in ("long", "pulled", "plain"):
+        sim.at(0.001, prefill.submit_prefill, jobs[name])
+    long_s = first_token_s = model.prefill_ms(300, 0) / 1e3
+    long_s += (40.0 + model.prefill_ms(600, 0)) / 1e3
+    sim.at(long_s - 0.001, prefill.submit_prefill, jobs["later"])  # arrives as the long prompt's step ends
+    sim.run()
+    assert first_token["first"] == pytest.approx(first_token_s) and first_token["long"] == pytest.approx(long_s)
+    # The next step: the pulled prompt (read already) and the plain one; the later pull is read before it.
+    next_s = long_s + (30.0 + model.step_prefill_ms([(200, 2000), (100, 0), (50, 1000)])) / 1e3
+    assert first_token["pulled"] == first_token["plain"] == first_token["later"] == pytest.approx(next_s)
+
+
 def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
     # Prompts that cost exactly 10 + 0.1 n ms, measured 0.7-1.3x that: least relative squares alone come out low
     # (they weigh a fast sample more than a slow one); the fit is scaled so half ran slower and half faster.
@@ -816,11 +840,13 @@ def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_where_reuse_en
     # Sixteen conversations of two turns whose first prompts fall at every offset within a 16-token block: the
     # second turn reused the first prompt and `share` of its 40-token answer, in the full blocks D retained. P read
     # all of that from D, or (`local`) had the first prompt's blocks in its own cache and read only the rest.
-    def rows(share: float, local: bool = False, edited: bool = False) -> list[Row]:
+    def rows(share: float, local: bool = False, edited: str = "") -> list[Row]:
         made = []
         for i in range(16):
             first = 1000 + 37 * i
-            second = first + 40 + 150 if not edited else first - 300  # an edit resends less than the history
+            # An edit that resends less than the history, or one within it (as the bench's edited-history scenario
+            # revises the first user message and adds a new one), ends reuse at the edit.
+            second = {"": first + 40 + 150, "shorter": first - 300, "within": first + 40 + 160}[edited]
             reused = min(first + int(share * 40), first + 39) // 16 * 16 if not edited else 512
             read = reused - (first // 16 * 16 if local else 0)
             for turn, tokens, computed, from_decode in ((0, first, first, 0), (1, second, second - reused, read)):
@@ -831,11 +857,13 @@ def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_where_reuse_en
         assert fit.answer_reuse_share([rows(share)]) == share
         if share:  # (with none of the answer reusable, P had it all and read nothing)
             assert fit.answer_reuse_share([rows(share, local=True)]) == share  # where reuse ended, not the read
-        assert fit.answer_reuse_share([rows(share) + [replace(r, leg="edits") for r in rows(0.0, edited=True)]]) \
-            == share  # an edited history's reuse ends at the edit and says nothing of answers
+        for edited in ("shorter", "within"):  # an edited history's reuse ends at the edit: it says nothing of answers
+            edits = [replace(r, leg="edits") for r in rows(0.0, edited=edited)]
+            assert fit.answer_reuse_share([rows(share) + edits]) == share
     # A turn pairs only with the turn before it in its own run: split over two runs, no turn read after another.
     assert fit.answer_reuse_share([rows(0.0)[0::2], rows(0.0)[1::2]]) is None
-    assert fit.answer_reuse_share([rows(1.0, edited=True)]) is None
+    assert fit.answer_reuse_share([rows(1.0, edited="shorter")]) is None
+    assert fit.answer_reuse_share([rows(1.0, edited="within")]) is None
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])
@@ -858,7 +886,7 @@ def test_an_answer_resent_as_other_tokens_is_computed_again_on_p(cost_model, sha
     monkeypatch.setattr(StepLoop, "submit_prefill", lambda loop, job: (computed.append(job.prefill_tokens),
                                                                         submit(loop, job))[1])
     lone.run()
-    assert computed[1] == second.prompt_tokens - reused
+    assert computed[1] == second.prompt_tokens - (first.prompt_tokens + int(share * answer)) // 16 * 16
     edited = replace(second, shared_tokens=100)  # an edited history shares what it says, whatever the answers did
     assert trace.reusable(first, edited, share) == 100
 

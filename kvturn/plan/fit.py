@@ -403,9 +403,12 @@ def answer_reuse_share(runs: list[list[Row]]) -> float | None:
         previous = {(row.leg, row.conversation_id, row.turn): row for row in rows}
         for row in rows:
             before = previous.get((row.leg, row.conversation_id, row.turn - 1))
-            if row.tokens_from_decode > 0 and before is not None and \
-                    row.input_tokens >= before.input_tokens + before.output_tokens:  # not an edited history
-                reused = row.input_tokens - row.computed if row.computed is not None else row.tokens_from_decode
+            if row.tokens_from_decode <= 0 or before is None or \
+                    row.input_tokens < before.input_tokens + before.output_tokens:  # an edit resending less
+                continue
+            reused = row.input_tokens - row.computed if row.computed is not None else row.tokens_from_decode
+            # An edit within the history ends reuse before the previous prompt's own blocks: no share explains it.
+            if reused >= min(before.input_tokens, row.input_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE - BLOCK_SIZE:
                 pairs.append((before.input_tokens, before.output_tokens, row.input_tokens, reused))
     if not pairs:
         return None

@@ -47,7 +47,8 @@ OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outs
                     "machine) is not in these TTFTs.")
 # Said where the calibration did not measure how much of an answer the next turn reuses
 ANSWER_UNMEASURED = ("The calibration did not measure how much of an answer the next turn reuses from retention "
-                     "(no turn read from a decode worker after another): every answer is taken as reusable whole, "
+                     "(read off workers, saved before it was measured, or no turn of its run read from a decode "
+                     "worker after another): every answer is taken as reusable whole, "
                      "as it is only where answers tokenize back as they were generated (of the embedded "
                      "random-weight model's, hardly any is).")
 

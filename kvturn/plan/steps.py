@@ -27,6 +27,7 @@ class Job:
     started: bool = False  # some of its prompt has been computed
     compute_ms: float = 0.0  # of the steps that computed its prompt, as the engine reports a prefill's time
     read_ms: float = 0.0  # a peer's KV to read when the job is admitted, before its first step
+    loaded: bool = False  # its read is done (it waits among the running for room, as the scheduler keeps it)
 
     @property
     def prompt_tokens(self) -> int:
@@ -182,25 +183,32 @@ class StepLoop:
 
     def _admit(self, batch: int) -> tuple[float, list[Job]]:
         """(ms of the reads the step waits for, the prompts it takes up in order), as kvturn's scheduler admits them:
-        the prompts under way first, then the others in turn while the step's token budget lasts, one whose KV a
-        peer holds whatever the pack's room (its read starts), one without only while there is room. The reads run
-        one after another on the worker's own thread before the forward pass (over shared memory UCX copies inside
-        the post), and the prompts they filled join the step last, in what room is left."""
+        the running prompts first (those under way, then those a read filled, in what room the pack has left), then
+        the waiting ones in turn while the step's token budget lasts, one whose KV a peer holds whatever the pack's
+        room (its read starts), one without only while there is room. The reads run one after another on the
+        worker's own thread before the forward pass (over shared memory UCX copies inside the post), and the
+        prompts they filled join the step last, in what room is left."""
         budget, taken = self.max_num_batched_tokens - batch, 0
         order = [job for job in self.prefilling if job.started]
         for job in order:
             n = min(job.prefill_tokens, max(budget, 0))
             budget -= n
             taken += n
+        for job in self.prefilling:
+            if job.loaded and not job.started and budget > 0 and (taken == 0 or taken < self.prefill_pack_tokens):
+                n = min(job.prefill_tokens, budget if taken == 0 else min(budget, self.prefill_pack_tokens - taken))
+                budget -= n
+                taken += n
+                order.append(job)
         reads_ms, read = 0.0, []
         for job in self.prefilling:
-            if job.started:
+            if job.started or job.loaded:
                 continue
             if budget <= 0:
                 break
             if job.read_ms:
                 reads_ms += job.read_ms
-                job.read_ms = 0.0
+                job.read_ms, job.loaded = 0.0, True
                 read.append(job)
                 continue
             room = self.prefill_pack_tokens - taken
