@@ -515,6 +515,32 @@ def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_th
     assert first_token["pulled"] == first_token["plain"] == first_token["later"] == pytest.approx(next_s)
 
 
+def test_a_read_prompt_that_finds_no_room_does_not_hold_back_the_reads_of_pulls_behind_it(cost_model):
+    # A pulled prompt read in a step whose pack was full waits among the running for room; it does not stop the
+    # scheduler from admitting, and reading, a pull that arrives behind it.
+    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
+    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    prefill, first_token = sim.prefill[0], {}
+    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
+            for name, new, context in (("first", 300, 0), ("y", 500, 0), ("x", 1000, 0), ("r1", 200, 2000),
+                                       ("r2", 100, 1000))}
+    jobs["r1"].read_ms, jobs["r2"].read_ms = 40.0, 30.0
+    sim.at(0.0, prefill.submit_prefill, jobs["first"])
+    for name in ("y", "x", "r1"):  # queued while the first step computes
+        sim.at(0.001, prefill.submit_prefill, jobs[name])
+    step1_s = model.prefill_ms(300, 0) / 1e3
+    # Step 2: y, then 12 tokens of x (the pack's room), and r1's read; r1 finds no room left.
+    step2_s = step1_s + (40.0 + model.step_prefill_ms([(500, 0), (12, 0)])) / 1e3
+    sim.at(step2_s - 0.001, prefill.submit_prefill, jobs["r2"])
+    sim.run()
+    assert first_token["y"] == pytest.approx(step2_s)
+    # Step 3: the rest of x fills the pack; r1 waits, and r2 behind it is read all the same.
+    step3_s = step2_s + (30.0 + model.prefill_ms(988, 12)) / 1e3
+    assert first_token["x"] == pytest.approx(step3_s)
+    step4_s = step3_s + model.step_prefill_ms([(200, 2000), (100, 1000)]) / 1e3
+    assert first_token["r1"] == pytest.approx(step4_s) and first_token["r2"] == pytest.approx(step4_s)
+
+
 def test_a_compute_fit_runs_through_the_median_of_scattered_samples():
     # Prompts that cost exactly 10 + 0.1 n ms, measured 0.7-1.3x that: least relative squares alone come out low
     # (they weigh a fast sample more than a slow one); the fit is scaled so half ran slower and half faster.
