@@ -449,16 +449,23 @@ def test_a_prompt_step_beside_running_decodes_pays_one_fixed_cost_when_fitted_so
     assert first_token["at"] == pytest.approx(expected_ms / 1e3)
 
 
+def prefill_with(cost_model, jobs: dict[str, tuple[int, int, float]]):
+    """(the calibration with every step at its fit's time, the simulation, its P of bidir/P-cache-off, `jobs` made
+    from (new tokens, context, ms of a peer's KV to read) by name, the time of each one's first token by name)."""
+    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
+    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    first_token = {}
+    made = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now),
+                      read_ms=read_ms) for name, (new, context, read_ms) in jobs.items()}
+    return model, sim, sim.prefill[0], made, first_token
+
+
 def test_a_read_from_d_runs_on_ps_thread_before_the_step_that_admits_it_delaying_every_prompt_in_it(cost_model):
     # kvturn's scheduler starts the reads of the prompts it admits as it schedules a step, on the engine's own
     # thread (over shared memory UCX copies inside the post), and the step's forward pass waits for them: a read
     # does not run beside a step in progress, and a prompt admitted beside one that reads waits for that read too.
-    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
-    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
-    prefill, first_token = sim.prefill[0], {}
-    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
-            for name, new, context in (("first", 300, 0), ("pulled", 200, 2000), ("plain", 100, 0))}
-    jobs["pulled"].read_ms = 40.0
+    model, sim, prefill, jobs, first_token = prefill_with(cost_model, {
+        "first": (300, 0, 0.0), "pulled": (200, 2000, 40.0), "plain": (100, 0, 0.0)})
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     sim.at(0.001, prefill.submit_prefill, jobs["pulled"])  # both arrive while the first step computes
     sim.at(0.001, prefill.submit_prefill, jobs["plain"])
@@ -475,12 +482,8 @@ def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_schedule
     # kvturn's scheduler admits waiting prompts in turn and stops at one without a peer's KV that finds the step's
     # pack full: a pulled prompt behind it is not read in that step. In the next, it is read and joins last, after
     # the prompt ahead of it, in what room that one left.
-    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
-    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
-    prefill, first_token = sim.prefill[0], {}
-    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
-            for name, new, context in (("first", 300, 0), ("long", 600, 0), ("plain", 100, 0), ("pulled", 200, 2000))}
-    jobs["pulled"].read_ms = 40.0
+    model, sim, prefill, jobs, first_token = prefill_with(cost_model, {
+        "first": (300, 0, 0.0), "long": (600, 0, 0.0), "plain": (100, 0, 0.0), "pulled": (200, 2000, 40.0)})
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("long", "plain", "pulled"):  # queued in this order while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])
@@ -494,14 +497,9 @@ def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_schedule
 def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_the_running_for_room(cost_model):
     # Directly behind a prompt that fills the pack, a pulled prompt is admitted anyway: its read holds up that
     # step, and it computes in the next, before the plain prompt that queued behind it and found no room.
-    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
-    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
-    prefill, first_token = sim.prefill[0], {}
-    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
-            for name, new, context in (("first", 300, 0), ("long", 600, 0), ("pulled", 200, 2000), ("plain", 100, 0),
-                                       ("later", 50, 1000))}
-    jobs["pulled"].read_ms = 40.0
-    jobs["later"].read_ms = 30.0
+    model, sim, prefill, jobs, first_token = prefill_with(cost_model, {
+        "first": (300, 0, 0.0), "long": (600, 0, 0.0), "pulled": (200, 2000, 40.0), "plain": (100, 0, 0.0),
+        "later": (50, 1000, 30.0)})
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("long", "pulled", "plain"):
         sim.at(0.001, prefill.submit_prefill, jobs[name])
@@ -518,13 +516,9 @@ def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_th
 def test_a_read_prompt_that_finds_no_room_does_not_hold_back_the_reads_of_pulls_behind_it(cost_model):
     # A pulled prompt read in a step whose pack was full waits among the running for room; it does not stop the
     # scheduler from admitting, and reading, a pull that arrives behind it.
-    model = replace(cost_model, step_scatter={}, idle_step_ms=0.0)
-    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
-    prefill, first_token = sim.prefill[0], {}
-    jobs = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now))
-            for name, new, context in (("first", 300, 0), ("y", 500, 0), ("x", 1000, 0), ("r1", 200, 2000),
-                                       ("r2", 100, 1000))}
-    jobs["r1"].read_ms, jobs["r2"].read_ms = 40.0, 30.0
+    model, sim, prefill, jobs, first_token = prefill_with(cost_model, {
+        "first": (300, 0, 0.0), "y": (500, 0, 0.0), "x": (1000, 0, 0.0), "r1": (200, 2000, 40.0),
+        "r2": (100, 1000, 30.0)})
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("y", "x", "r1"):  # queued while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])

@@ -161,18 +161,8 @@ class StepLoop:
         if not self.prefilling:
             self.busy = False
             return
-        reads_ms, order = self._admit(batch)
-        budget = self.max_num_batched_tokens - batch
-        chunks, ms = [], self._decodes_beside_prompts_ms(batch)
-        prompt_tokens = 0
-        for job in order:
-            room = self.prefill_pack_tokens - prompt_tokens
-            if budget <= 0 or (room <= 0 and not job.started):
-                break
-            n = min(job.prefill_tokens, budget if job.started or prompt_tokens == 0 else min(budget, room))
-            chunks.append((job, n))
-            budget -= n
-            prompt_tokens += n
+        reads_ms, chunks = self._admit(batch)
+        ms = self._decodes_beside_prompts_ms(batch)
         compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
         self.sim.reach_prompts(chunks)
         if batch:
@@ -181,25 +171,29 @@ class StepLoop:
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 
-    def _admit(self, batch: int) -> tuple[float, list[Job]]:
-        """(ms of the reads the step waits for, the prompts it takes up in order), as kvturn's scheduler admits them:
-        the running prompts first (those under way, then those a read filled, in what room the pack has left), then
-        the waiting ones in turn while the step's token budget lasts, one whose KV a peer holds whatever the pack's
-        room (its read starts), one without only while there is room. The reads run one after another on the
-        worker's own thread before the forward pass (over shared memory UCX copies inside the post), and the
+    def _admit(self, batch: int) -> tuple[float, list[tuple[Job, int]]]:
+        """(ms of the reads the step waits for, the (prompt, new tokens) chunks it computes), as kvturn's scheduler
+        admits them: the running prompts first (those under way, then those a read filled, in what room the pack has
+        left), then the waiting ones in turn while the step's token budget lasts, one whose KV a peer holds whatever
+        the pack's room (its read starts), one without only while there is room. The reads run one after another on
+        the worker's own thread before the forward pass (over shared memory UCX copies inside the post), and the
         prompts they filled join the step last, in what room is left."""
-        budget, taken = self.max_num_batched_tokens - batch, 0
-        order = [job for job in self.prefilling if job.started]
-        for job in order:
-            n = min(job.prefill_tokens, max(budget, 0))
-            budget -= n
-            taken += n
-        for job in self.prefilling:
-            if job.loaded and not job.started and budget > 0 and (taken == 0 or taken < self.prefill_pack_tokens):
-                n = min(job.prefill_tokens, budget if taken == 0 else min(budget, self.prefill_pack_tokens - taken))
-                budget -= n
-                taken += n
-                order.append(job)
+        budget, taken, chunks = self.max_num_batched_tokens - batch, 0, []
+
+        def take(job: Job) -> bool:
+            """Whether `job` computes in this step: all the budget left if it is under way or alone, else only
+            what the pack's room leaves."""
+            nonlocal budget, taken
+            n = min(job.prefill_tokens, budget if job.started or not taken else
+                    min(budget, self.prefill_pack_tokens - taken))
+            if n > 0:
+                chunks.append((job, n))
+                budget, taken = budget - n, taken + n
+            return n > 0
+
+        for job in [job for job in self.prefilling if job.started] + \
+                [job for job in self.prefilling if job.loaded and not job.started]:
+            take(job)
         reads_ms, read = 0.0, []
         for job in self.prefilling:
             if job.started or job.loaded:
@@ -210,15 +204,11 @@ class StepLoop:
                 reads_ms += job.read_ms
                 job.read_ms, job.loaded = 0.0, True
                 read.append(job)
-                continue
-            room = self.prefill_pack_tokens - taken
-            if room <= 0:
+            elif not take(job):
                 break
-            n = min(job.prefill_tokens, budget if taken == 0 else min(budget, room))
-            budget -= n
-            taken += n
-            order.append(job)
-        return reads_ms, order + read
+        for job in read:
+            take(job)
+        return reads_ms, chunks
 
     def _end_prefill_step(self, chunks: list, batch: int, ms: float) -> None:
         now = self.sim.now
