@@ -753,6 +753,25 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
     assert together == pytest.approx(a + b * 3000 + c * 1000 * 100 / 1e3 + q * (1000 * 500 + 2000 * 1000) / 1e3)
 
 
+def test_a_prompt_computed_on_decode_calibrates_with_the_tokens_d_said_it_computed():
+    # Turn 1 extends turn 0 (1000 prompt + 40 answer) by 200 tokens. D retained 1024 tokens in full blocks; it said
+    # it computed 420 (its answer came back as other tokens). Without its count the fit assumes 1240 - 1024.
+    request = {"conversation_id": "a", "ttft_ms": 300.0, "latency_ms": 400.0, "input_num_tokens": 1000,
+               "output_num_tokens": 40, "prompt_tokens_computed_prefill": 1000, "prefill_compute_ms": 250.0}
+    on_decode = {**request, "turn": 1, "start_time_ms": 1000.0, "input_num_tokens": 1240, "decode_compute_ms": 90.0,
+                 "prompt_tokens_computed_prefill": None, "prefill_compute_ms": None}
+
+    def computed_on_decode(told) -> tuple:
+        rows = rows_of({"legs": {"compute-on-D": {"requests": [request, {**on_decode, **told}]}}})
+        (chunks, _, _, _), = fit.compute_samples({"compute-on-D": rows})["decode"]
+        return chunks
+
+    assert computed_on_decode({"decode_tokens_computed": 420}) == ((420, 820),)
+    assert computed_on_decode({}) == ((216, 1024),)
+    for junk in (0, 5000, -3, 2.5, True, "420"):  # not a count of this prompt's tokens: the estimate stands
+        assert computed_on_decode({"decode_tokens_computed": junk}) == ((216, 1024),)
+
+
 def test_a_prompt_step_after_idling_takes_the_ms_measured_on_requests_that_started_idle(cost_model):
     # Which prompts found their worker idle: a does; b arrives while a computes and waits behind it (starting right
     # after it, back to back); c shares a's steps; d arrives long after.

@@ -79,7 +79,11 @@ def predict_compute(coefficients, chunks: Chunks) -> float:
 
 
 def _new_tokens_on_decode(row: Row, previous: Row | None) -> int | None:
-    """What D computed on the compute-on-decode path: the prompt beyond the full blocks it retained last turn."""
+    """What D computed on the compute-on-decode path: what D said it computed, or, from a bench that did not record
+    it, the prompt beyond the full blocks it retained last turn (which assumes the whole answer came back as it was
+    generated)."""
+    if row.decode_computed is not None:
+        return row.decode_computed
     if previous is None:
         return None
     retained = (previous.input_tokens + previous.output_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE

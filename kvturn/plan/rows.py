@@ -29,6 +29,7 @@ class Row:
     # read and compute, which also holds its tokenizing and handling (a few ms)
     queue_ms: float = 0.0
     decode_wait_ms: float = 0.0  # ...and D's, when D computed the prompt
+    decode_computed: int | None = None  # prompt tokens D computed, when it computed the prompt and said so
 
     @property
     def d_part_of_ttft_ms(self) -> float:
@@ -47,6 +48,7 @@ def _row(leg: str, r: dict) -> Row | None:
     if r.get("error") or r.get("warmup") or not r.get("ttft_ms") or not r.get("input_num_tokens"):
         return None
     computed = r.get("prompt_tokens_computed_prefill")
+    decode_computed = r.get("decode_tokens_computed")
     queue = _steps_wait(_ms(r.get("queue_ms")), r.get("engine_wait_ms"), _ms(r.get("d_to_p_read_ms")))
     decode_wait = 0.0
     if decode_compute := _ms(r.get("decode_compute_ms")):  # D computed the prompt (compute on decode): it queued
@@ -62,7 +64,8 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
                r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
                r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, queue,
-               max(decode_wait, 0.0))
+               max(decode_wait, 0.0), decode_computed if number_within(decode_computed, 1, r["input_num_tokens"])
+               and isinstance(decode_computed, int) else None)
 
 
 def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:
