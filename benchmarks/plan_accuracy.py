@@ -40,6 +40,15 @@ is kept with --reuse-measured:
     python benchmarks/plan_accuracy.py --plan-only --repeats 3  # plan again against the runs in OUT, measuring none
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --out results/plan-accuracy-pinned
     python benchmarks/plan_accuracy.py --pin-workers --repeats 3 --from-workers --out results/plan-accuracy-pinned
+
+With --compare-calibration WORKLOAD every round also calibrates on another workload (OUT/calibration-alt; the two
+take turns going first), and the same measured runs are planned from those calibrations too, side by side: whether
+another calibration workload plans better is then measured against one machine's drift, not two. E.g. first prompts
+to 14000 tokens instead of 9000 (benchmarks/plan_calibration_long.json), so that D's decodes attend to as many
+tokens as agent-loop's do:
+
+    python benchmarks/plan_accuracy.py --pin-workers --repeats 3 \
+        --compare-calibration benchmarks/plan_calibration_long.json --out results/plan-accuracy-long
 """
 import argparse
 import json
@@ -89,10 +98,10 @@ def leg_dir(out: Path, workload: str, leg: str, run: int) -> Path:
     return out / measured / leg.replace("/", "_") / f"run-{run}"
 
 
-def calibration_runs(out: Path, repeats: int) -> list[Path]:
+def calibration_runs(out: Path, repeats: int, folder: str = "calibration") -> list[Path]:
     """The calibration runs of rounds 1..repeats that are there (a round of an earlier, longer run is not counted)."""
     return [path for run in range(1, repeats + 1)
-            if (path := out / "calibration" / f"run-{run}" / "results.json").exists()]
+            if (path := out / folder / f"run-{run}" / "results.json").exists()]
 
 
 def rotated(items: list[str], by: int) -> list[str]:
@@ -100,14 +109,18 @@ def rotated(items: list[str], by: int) -> list[str]:
     return items[by:] + items[:by]
 
 
-def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reuse: bool, pin: bool) -> None:
+def measure(out: Path, workloads: list[str], legs: list[str], repeats: int, reuse: bool, pin: bool,
+            calibrations: dict[str, Path]) -> None:
+    """Every round: each calibration workload (into OUT/FOLDER/run-K, taken in turn first), then every leg of every
+    workload."""
     pinned = ["--pin-workers"] if pin else []
     for run in range(1, repeats + 1):
-        calibration = out / "calibration" / f"run-{run}"
-        if not (reuse and (calibration / "results.json").exists()):
-            kvturn("bench", "--compare", "--workload", str(CALIBRATION_WORKLOAD), "--sessions",
-                   str(CALIBRATION_SESSIONS), "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration),
-                   *pinned)
+        for folder in rotated(list(calibrations), run - 1):
+            calibration = out / folder / f"run-{run}"
+            if not (reuse and (calibration / "results.json").exists()):
+                kvturn("bench", "--compare", "--workload", str(calibrations[folder]), "--sessions",
+                       str(CALIBRATION_SESSIONS), "--seed", "1", "--legs", ",".join(LEGS), "--out", str(calibration),
+                       *pinned)
         for workload in rotated(workloads, run - 1):
             for leg in legs:
                 where = leg_dir(out, workload, leg, run)
@@ -220,6 +233,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plan_against(out: Path, workloads: list[str], rounds: list[int], folder: str, name: str) \
+        -> tuple[list[dict], dict[int, list[dict]], str]:
+    """Plan from the calibrations in OUT/FOLDER pooled against the median of all rounds' runs, and, with several
+    rounds, each round's own calibration against that round's runs alone: (pooled rows, rows by round, the table)."""
+    calibrations = calibration_runs(out, len(rounds), folder)
+    if not calibrations:
+        raise SystemExit(f"no calibration run in {out / folder} (run-1 .. run-{len(rounds)})")
+    predict(out, workloads, calibrations, name)
+    rows = compare(out, workloads, name, rounds, load_many(calibrations))
+    text = table(rows)
+    by_round = {}
+    if len(calibrations) > 1:
+        for run in rounds:
+            path = out / folder / f"run-{run}" / "results.json"
+            if path in calibrations:
+                predict(out, workloads, [path], f"{name}-round-{run}")
+                by_round[run] = compare(out, workloads, f"{name}-round-{run}", [run], load_many([path]))
+        text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
+                 f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in by_round.values()) + " legs.")
+    return rows, by_round, text
+
+
 def names(text: str, known: tuple[str, ...]) -> list[str]:
     chosen = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in chosen if name not in known]
@@ -244,6 +279,9 @@ def main() -> None:
     parser.add_argument("--from-workers", action="store_true",
                         help="also plan from a calibration read off running workers by URL (made once in "
                              "OUT/workers) and compare it with the same measured runs")
+    parser.add_argument("--compare-calibration", type=Path, metavar="WORKLOAD",
+                        help="also calibrate on this workload in every round (OUT/calibration-alt), taking turns "
+                             "with the standard one, and plan the same measured runs from it too")
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
@@ -251,26 +289,19 @@ def main() -> None:
     if args.plan_only and args.measure_only:
         raise SystemExit("--plan-only and --measure-only exclude each other")
     if not args.plan_only:
+        calibrations = {"calibration": CALIBRATION_WORKLOAD}
+        if args.compare_calibration:
+            calibrations["calibration-alt"] = args.compare_calibration
         measure(args.out, workloads, names(args.legs, LEGS), args.repeats, args.reuse_measured or args.measure_only,
-                args.pin_workers)
+                args.pin_workers, calibrations)
     if args.measure_only:
         return
-    calibrations = calibration_runs(args.out, args.repeats)
-    if not calibrations:
-        raise SystemExit(f"no calibration run in {args.out / 'calibration'} (run-1 .. run-{args.repeats})")
     all_rounds = list(range(1, args.repeats + 1))
-    predict(args.out, workloads, calibrations, "plan")
-    rows = compare(args.out, workloads, "plan", all_rounds, load_many(calibrations))
-    text = table(rows)
-    rounds = {}
-    if len(calibrations) > 1:  # what one round's calibration says of that round's measurement alone
-        for run in all_rounds:
-            path = args.out / "calibration" / f"run-{run}" / "results.json"
-            if path in calibrations:
-                predict(args.out, workloads, [path], f"plan-round-{run}")
-                rounds[run] = compare(args.out, workloads, f"plan-round-{run}", [run], load_many([path]))
-        text += ("\nEach round's own calibration against that round's runs alone: TTFT p50 within "
-                 f"{TOLERANCE:.0%} on " + ", ".join(f"{within(r)} of {len(r)}" for r in rounds.values()) + " legs.")
+    rows, rounds, text = plan_against(args.out, workloads, all_rounds, "calibration", "plan")
+    if args.compare_calibration:
+        other, other_rounds, other_text = plan_against(args.out, workloads, all_rounds, "calibration-alt", "plan-alt")
+        text += (f"\n\nPlanned instead from the calibrations of {args.compare_calibration}, made in the same rounds "
+                 f"(OUT/calibration-alt):\n\n" + other_text)
     workers = []
     if args.from_workers:
         saved = calibrate_from_workers(args.out, args.pin_workers)
@@ -279,8 +310,9 @@ def main() -> None:
         text += ("\n\nPlanned instead from the running workers' URLs (no bench run; no time outside compute):\n\n"
                  + table(workers))
     (args.out / "accuracy.md").write_text(text + "\n")
-    (args.out / "accuracy.json").write_text(json.dumps({"pooled": rows, "rounds": rounds, "from_workers": workers},
-                                                       indent=2))
+    alternative = {"pooled": other, "rounds": other_rounds} if args.compare_calibration else None
+    (args.out / "accuracy.json").write_text(json.dumps({"pooled": rows, "rounds": rounds, "from_workers": workers,
+                                                        "compare_calibration": alternative}, indent=2))
     print(text)
 
 
