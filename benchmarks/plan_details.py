@@ -13,6 +13,7 @@ measuring nothing.
 
     python benchmarks/plan_details.py --out results/plan-accuracy --repeats 3
     python benchmarks/plan_details.py --out results/plan-accuracy --workloads concurrent --legs pd/P-cache-on
+    python benchmarks/plan_details.py --out results/plan-accuracy-long --repeats 3 --calibration-alt
 """
 import argparse
 import json
@@ -122,10 +123,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the accuracy run to read")
     parser.add_argument("--workloads", default=",".join(plan_accuracy.WORKLOADS))
     parser.add_argument("--legs", default=",".join(plan_accuracy.LEGS))
+    parser.add_argument("--calibration-alt", action="store_true",
+                        help="plan from the calibrations of plan_accuracy.py --compare-calibration (OUT/calibration-alt)")
     args = parser.parse_args()
-    calibrations = plan_accuracy.calibration_runs(args.out, args.repeats)
+    folder = "calibration-alt" if args.calibration_alt else "calibration"
+    calibrations = plan_accuracy.calibration_runs(args.out, args.repeats, folder)
     if not calibrations:
-        raise SystemExit(f"no calibration run in {args.out / 'calibration'} (run-1 .. run-{args.repeats})")
+        raise SystemExit(f"no calibration run in {args.out / folder} (run-1 .. run-{args.repeats})")
     cost_model = load_many(calibrations)
     legs = plan_accuracy.names(args.legs, plan_accuracy.LEGS)
     print(other_by_load(calibrations, cost_model))
