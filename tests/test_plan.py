@@ -148,7 +148,7 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
             calibration.load(tmp_path / "bad.json")
     # Saved before these were fitted (or with the ratio fitted once instead): steps after idling cost what others
     # do, or that times 1 + the slowdown with the other role busy.
-    del saved["idle_step_ms"], saved["busy_idle_step_ms"], saved["answer_reuse_share"]
+    del saved["idle_step_ms"], saved["busy_idle_step_ms"], saved["answer_reuse_share"], saved["run_spread"]
     (tmp_path / "older.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits,
                                                      "idle_step_ratio": 1.2}))
     older = calibration.load(tmp_path / "older.json")
@@ -161,6 +161,7 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
                        [("other_ms_per_request", v) for v in ("x", {"colocated": float("nan")})] + \
                        [("other_load_seen", v) for v in (None, -1.0, True)] + \
                        [("answer_reuse_share", v) for v in ("x", True, float("nan"), -0.1, 1.5)] + \
+                       [("run_spread", v) for v in ([], {"gpu": 0.1}, {"colocated": -0.1}, {"prefill": "1"})] + \
                        [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0}, {"prompt_tokens": 0},
                                                {"decode_batch": float("nan")})]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
@@ -189,6 +190,16 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
     pooled = calibration.load_many(paths)
     for n, context in ((4000, 0), (200, 3800)):
         assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
+    # ...and says how far apart the runs' own fits lie, which the verdict names past SPREAD_SAID
+    assert cost_model.run_spread == {} and twice.run_spread["prefill"] == pytest.approx(0.0, abs=1e-9)
+    assert pooled.run_spread["prefill"] == pytest.approx(1.0, rel=0.15)  # one run at twice the times: about 100% apart
+    assert planner.spread_words(twice) is None
+    words = planner.spread_words(pooled)
+    assert f"{pooled.run_spread['prefill']:.0%} apart on the prefill worker" in words
+    assert "1000 new tokens after 3000" in words
+    assert calibration.load(pooled.save(tmp_path / "pooled.json")).run_spread == pooled.run_spread
+    plan = planner.plan(agent_sessions(2, 3), pooled, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0], ())
+    assert words in plan["verdict"]["text"]
     # The time outside compute and transfer grows with the requests in flight: a run whose requests all arrived
     # together (eleven others in flight), each 22 ms slower outside compute, says what each of them adds.
     crowded = json.loads(FIXTURE.read_text())

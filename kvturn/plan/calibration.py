@@ -71,6 +71,11 @@ class Calibration:
     # the rest of it is resent as tokens other than those generated, and computed again. None: not measured (saved
     # before, read off workers, or a run where no turn read from D after another), and planned as all of it
     answer_reuse_share: float | None = None
+    # Fitted to several bench runs pooled: per kind of worker, how far apart the runs' own fits put one prompt
+    # (SPREAD_PROMPT), the slowest over the fastest less 1. A machine whose speed drifts between the runs (a worker
+    # computing on cores it shares with the router and client) shows here; the pooled fit lies between them, and a
+    # plan of that worker's legs is no surer than this. Empty: one run, or saved before.
+    run_spread: dict[str, float] = field(default_factory=dict)
     source: str = ""
     samples: dict[str, int] = field(default_factory=dict)
 
@@ -182,7 +187,28 @@ def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration
         if not rows_of(data):
             raise CalibrationError(f"{path}: not a kvturn bench results JSON: no measured requests under 'legs'")
         runs.append(data)
-    return Calibration(**fitted(runs, source=", ".join(map(str, paths))))
+    return Calibration(**fitted(runs, source=", ".join(map(str, paths))), run_spread=run_spread(runs))
+
+
+# The prompt whose time the runs' own fits are compared at: 1000 new tokens after 3000 of history, a later turn's
+# recompute of the sizes the calibration workload spans
+SPREAD_PROMPT = (1000, 3000)
+MAX_SPREAD = 100.0
+
+
+def run_spread(runs: list[dict]) -> dict[str, float]:
+    """Per kind of worker every run measured, the slowest run's fitted time for SPREAD_PROMPT over the fastest's,
+    less 1 (Calibration.run_spread). A run too small to fit on its own is left out."""
+    times: dict[str, list[float]] = {}
+    for run in runs:
+        try:
+            alone = Calibration(**fitted(run))
+        except CalibrationError:
+            continue
+        for kind in alone.compute_fits:
+            times.setdefault(kind, []).append(alone.step_prefill_ms([SPREAD_PROMPT], kind))
+    return {kind: min(max(ms) / min(ms) - 1, MAX_SPREAD) for kind, ms in times.items()
+            if len(ms) > 1 and min(ms) > 0}
 
 
 def load(path: Path) -> Calibration:
@@ -219,6 +245,11 @@ def load(path: Path) -> Calibration:
             per_leg = getattr(calibration, name)
             if not isinstance(per_leg, dict) or not all(number_within(v, 0.0, MAX_OTHER_MS) for v in per_leg.values()):
                 raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
+        spread = calibration.run_spread
+        if not isinstance(spread, dict) or not set(spread) <= set(WORKER_KINDS) or not all(
+                number_within(v, 0.0, MAX_SPREAD) for v in spread.values()):
+            raise CalibrationError(f"{path}: run_spread must map kinds of worker ({', '.join(WORKER_KINDS)}) to "
+                                   f"numbers from 0 to {MAX_SPREAD:g}")
         if calibration.answer_reuse_share is not None and not number_within(calibration.answer_reuse_share, 0.0, 1.0):
             raise CalibrationError(f"{path}: answer_reuse_share must be a number from 0 to 1, or null")
         if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
-from kvturn.plan.calibration import Calibration
+from kvturn.plan.calibration import SPREAD_PROMPT, Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
 from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload, reusable
@@ -52,6 +52,21 @@ ANSWER_UNMEASURED = ("The calibration did not measure how much of an answer the 
                      "as it is only where answers tokenize back as they were generated (of the embedded "
                      "random-weight model's, hardly any is).")
 
+# Calibration runs whose own fits of a kind of worker lie further apart than this are named in the verdict
+SPREAD_SAID = 0.15
+WORKER_WORDS = {"prefill": "the prefill worker", "decode": "the decode worker", "colocated": "a colocated worker"}
+
+
+def spread_words(calibration: Calibration) -> str | None:
+    """The verdict's sentence on calibration runs that disagree (Calibration.run_spread), or None."""
+    apart = {kind: share for kind, share in calibration.run_spread.items() if share > SPREAD_SAID}
+    if not apart:
+        return None
+    n, context = SPREAD_PROMPT
+    kinds = ", ".join(f"{share:.0%} apart on {WORKER_WORDS.get(kind, kind)}" for kind, share in apart.items())
+    return (f"The calibration runs disagree: for a prompt of {n} new tokens after {context}, their own fits lie "
+            f"{kinds}. The machine's speed moved between them; legs on that worker are planned at the pooled fit "
+            f"and are no surer than that. Calibrate again, or from more runs, when the machine is quiet.")
 
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
 BEYOND_SHARE = 0.1
@@ -200,6 +215,8 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
                          f"come back sooner than that.")
     if beyond:
         words.append(beyond_words(beyond))
+    if spread := spread_words(calibration):
+        words.append(spread)
     if calibration.answer_reuse_share is None:
         words.append(ANSWER_UNMEASURED)
     if not calibration.other_ms:
