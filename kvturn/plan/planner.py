@@ -68,6 +68,7 @@ def spread_words(calibration: Calibration) -> str | None:
             f"{kinds}. The machine's speed moved between them; legs on that worker are planned at the pooled fit "
             f"and are no surer than that. Calibrate again, or from more runs, when the machine is quiet.")
 
+
 # Shapes the simulated steps reached beyond the calibration's by more than this share are named in the verdict.
 BEYOND_SHARE = 0.1
 SHAPE_WORDS = {"prompt_tokens": "prompt steps compute up to {planned} new tokens of a prompt",
