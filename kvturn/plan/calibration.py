@@ -11,7 +11,7 @@ import numpy as np
 
 from kvturn.plan import endpoints
 from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, SEEN_SHAPES,
-                             WORKER_KINDS, CalibrationError, fitted)
+                             WORKER_KINDS, CalibrationError, fitted, predict_compute)
 from kvturn.plan.rows import number_within, rows_of
 
 KIND = "kvturn-calibration"
@@ -202,11 +202,11 @@ def run_spread(runs: list[dict]) -> dict[str, float]:
     times: dict[str, list[float]] = {}
     for run in runs:
         try:
-            alone = Calibration(**fitted(run))
+            fits = fitted(run)["compute_fits"]
         except CalibrationError:
             continue
-        for kind in alone.compute_fits:
-            times.setdefault(kind, []).append(alone.step_prefill_ms([SPREAD_PROMPT], kind))
+        for kind, coefficients in fits.items():
+            times.setdefault(kind, []).append(predict_compute(coefficients, [SPREAD_PROMPT]))
     return {kind: min(max(ms) / min(ms) - 1, MAX_SPREAD) for kind, ms in times.items()
             if len(ms) > 1 and min(ms) > 0}
 
