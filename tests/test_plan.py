@@ -2,7 +2,7 @@
 the router's --trace-out through real processes, and the command's errors."""
 import json
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import httpx
@@ -163,10 +163,30 @@ def test_a_saved_calibration_of_three_compute_terms_still_loads_and_a_malformed_
                        [("answer_reuse_share", v) for v in ("x", True, float("nan"), -0.1, 1.5)] + \
                        [("run_spread", v) for v in ([], {"gpu": 0.1}, {"colocated": -0.1}, {"prefill": "1"})] + \
                        [("seen", v) for v in ([], {"decode_batch": -1}, {"gpu_batch": 4.0}, {"prompt_tokens": 0},
-                                               {"decode_batch": float("nan")})]:
+                                               {"decode_batch": float("nan")})] + \
+                       [("compute_fits", v) for v in ({"prefill": [float("nan")] * 4}, {"decode": [1.0] * 4},
+                                                       {"prefill": [1.0, 2.0, -1e9, 0.0]})] + \
+                       [("decode_step_fit", v) for v in (None, [1.0, 2.0], [1.0, float("inf"), 0.0])] + \
+                       [("colocated_step_fit", v) for v in ("x", [1.0, "2", 3.0])] + \
+                       [("contention", v) for v in ({}, {"prefill_slowdown": -0.5, "decode_step_ms": 0.0},
+                                                     {"prefill_slowdown": 0.1, "decode_step_ms": float("nan")})] + \
+                       [("read_ms_per_mib", v) for v in ({"d_to_p": 1.0}, {"d_to_p": 1.0, "p_to_d": None},
+                                                          {"d_to_p": -1.0, "p_to_d": 1.0})] + \
+                       [("kv_bytes_per_token", v) for v in (0, float("nan"), "4096", 2.0**40)] + \
+                       [("step_scatter", v) for v in ({"prefill": []}, {"prefill": [0.0]}, {"gpu": [1.0]})] + \
+                       [("source", v) for v in (None, 3)] + \
+                       [("samples", v) for v in ([], {"prefill": -1}, {"prefill": 2.5})]:
         (tmp_path / "bad.json").write_text(json.dumps({**saved, "compute_fits": old.compute_fits, name: value}))
         with pytest.raises(fit.CalibrationError, match=f"{name} must"):
             calibration.load(tmp_path / "bad.json")
+
+
+def test_every_field_of_a_saved_calibration_is_checked_on_load(cost_model, tmp_path):
+    assert set(calibration.SAVED_FIELDS) == {f.name for f in fields(calibration.Calibration)}
+    saved = json.loads(cost_model.save(tmp_path / "calibration.json").read_text())
+    (tmp_path / "extra.json").write_text(json.dumps({**saved, "gpu_count": 8}))
+    with pytest.raises(fit.CalibrationError, match="unknown fields: gpu_count"):
+        calibration.load(tmp_path / "extra.json")
 
 
 def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_pooled(cost_model, tmp_path):
@@ -343,7 +363,7 @@ def serving(workers: dict) -> httpx.Client:
     return httpx.Client(transport=httpx.MockTransport(answer))
 
 
-def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_model):
+def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_model, tmp_path):
     workers = running_workers()
     model = calibration.Calibration(**endpoints.fitted([P_URL, D_URL + "/", P_URL], SECRET, serving(workers)))
     for n, context in ((4000, 0), (300, 4400), (60, 900)):
@@ -368,6 +388,12 @@ def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_mo
     # Reads one way only stand for both.
     one_way = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((10, 0)))))
     assert one_way.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 2.0})
+    # A read timed at 0 s is a rate of 0 ms a MiB, not a direction unread: it neither takes the other's rate nor is
+    # lost where the other read nothing.
+    instant = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET,
+                                                         serving(running_workers((10, 0), read_s=(0.0, 0.05)))))
+    assert instant.read_ms_per_mib == {"d_to_p": 0.0, "p_to_d": 0.0}
+    assert calibration.load(instant.save(tmp_path / "instant.json")).read_ms_per_mib == instant.read_ms_per_mib
 
 
 def _set(path: tuple, value):

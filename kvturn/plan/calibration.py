@@ -4,14 +4,15 @@ is busy on the same cores, NIXL read time per MiB each way, KV bytes per token, 
 first token that is neither compute nor transfer. Fitted (fit.py) to a `kvturn bench` run on the user's own
 machine, or several pooled, and saved as a small JSON, so a user calibrates once."""
 import json
+import reprlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvturn.plan import endpoints
-from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, SEEN_SHAPES,
-                             WORKER_KINDS, CalibrationError, fitted, predict_compute)
+from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, MAX_SLOWDOWN,
+                             SEEN_SHAPES, WORKER_KINDS, CalibrationError, fitted, predict_compute)
 from kvturn.plan.rows import number_within, rows_of
 
 KIND = "kvturn-calibration"
@@ -211,63 +212,106 @@ def run_spread(runs: list[dict]) -> dict[str, float]:
             if len(ms) > 1 and min(ms) > 0}
 
 
+MAX_COEFFICIENT = 1e6  # of a saved fit's term, ms per whatever it counts
+
+
+def _within(least: float, most: float, optional: bool = False):
+    return lambda v: (optional and v is None) or number_within(v, least, most)
+
+
+def _numbers(counts: tuple[int, ...], optional: bool = False):
+    """A list of one of `counts` numbers, each within +-MAX_COEFFICIENT."""
+    return lambda v: (optional and v is None) or (isinstance(v, list) and len(v) in counts and all(
+        number_within(c, -MAX_COEFFICIENT, MAX_COEFFICIENT) for c in v))
+
+
+def _mapping(keys, value, required=()):
+    """A JSON object whose keys are among `keys` (any string where None), holding `required`, each value passing
+    `value`."""
+    return lambda v: isinstance(v, dict) and set(required) <= set(v) and all(
+        isinstance(k, str) and (keys is None or k in keys) and value(x) for k, x in v.items())
+
+
+def _boolean(v) -> bool:
+    return type(v) is bool
+
+
+def _contention(v) -> bool:
+    return isinstance(v, dict) and set(v) == {"prefill_slowdown", "decode_step_ms"} and number_within(
+        v["prefill_slowdown"], 0.0, MAX_SLOWDOWN) and number_within(v["decode_step_ms"], -MAX_COEFFICIENT,
+                                                                     MAX_COEFFICIENT)
+
+
+def _factor(v) -> bool:
+    return number_within(v, 0.0, MAX_SCATTER) and v > 0
+
+
+KINDS = ", ".join(WORKER_KINDS)
+READ_DIRECTIONS = tuple(endpoints.READ_DIRECTION.values())
+# Every field of a saved calibration: what its value must be, and that in words for the error that refuses it
+SAVED_FIELDS = {
+    "compute_fits": (_mapping(WORKER_KINDS, _numbers((3, 4)), required=("prefill",)),
+                     f"map prefill (and {', '.join(WORKER_KINDS[1:])}) to 4 numbers (a, b, c, q; or 3, a, b, k, as "
+                     f"saved before) within +-{MAX_COEFFICIENT:g}"),
+    "decode_step_fit": (_numbers((3,)), f"be 3 numbers (a, b, k) within +-{MAX_COEFFICIENT:g}"),
+    "contention": (_contention, f"map prefill_slowdown to a number from 0 to {MAX_SLOWDOWN:g} and decode_step_ms to "
+                                f"one within +-{MAX_COEFFICIENT:g}"),
+    "read_ms_per_mib": (_mapping(READ_DIRECTIONS, _within(0.0, MAX_COEFFICIENT), required=READ_DIRECTIONS),
+                        f"map {' and '.join(READ_DIRECTIONS)} to numbers from 0 to {MAX_COEFFICIENT:g}"),
+    "kv_bytes_per_token": (_within(1.0, endpoints.MAX_BYTES_PER_TOKEN),
+                           f"be a number from 1 to {endpoints.MAX_BYTES_PER_TOKEN:g}"),
+    "other_ms": (_mapping(None, _within(0.0, MAX_OTHER_MS)), f"map legs to numbers from 0 to {MAX_OTHER_MS:g}"),
+    "decode_fit_alone": (_boolean, "be true or false"),
+    "colocated_step_fit": (_numbers((3,), optional=True),
+                           f"be 3 numbers (a, b, k) within +-{MAX_COEFFICIENT:g}, or null"),
+    "idle_step_ms": (_within(0.0, MAX_IDLE_MS), f"be a number from 0 to {MAX_IDLE_MS:g}"),
+    "busy_idle_step_ms": (_within(0.0, MAX_IDLE_MS, optional=True), f"be a number from 0 to {MAX_IDLE_MS:g}, or null"),
+    "decode_step_padded": (_boolean, "be true or false"),
+    "decodes_share_fixed_cost": (_boolean, "be true or false"),
+    "step_scatter": (_mapping(WORKER_KINDS, lambda q: isinstance(q, list) and 0 < len(q) <= MAX_SCATTER_QUANTILES
+                              and all(map(_factor, q))),
+                     f"map kinds of worker ({KINDS}) to lists of 1 to {MAX_SCATTER_QUANTILES} factors within "
+                     f"(0, {MAX_SCATTER:g}]"),
+    "other_ms_per_request": (_mapping(None, _within(0.0, MAX_OTHER_MS)),
+                             f"map legs to numbers from 0 to {MAX_OTHER_MS:g}"),
+    "other_load_seen": (_within(0.0, MAX_OTHER_MS), f"be a number from 0 to {MAX_OTHER_MS:g}"),
+    "seen": (_mapping(SEEN_SHAPES, _within(1.0, MAX_SEEN)),
+             f"map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 1 to {MAX_SEEN:g}"),
+    "answer_reuse_share": (_within(0.0, 1.0, optional=True), "be a number from 0 to 1, or null"),
+    "run_spread": (_mapping(WORKER_KINDS, _within(0.0, MAX_SPREAD)),
+                   f"map kinds of worker ({KINDS}) to numbers from 0 to {MAX_SPREAD:g}"),
+    "source": (lambda v: isinstance(v, str), "be a string"),
+    "samples": (_mapping(None, lambda n: type(n) is int and n >= 0), "map names to whole numbers from 0"),
+}
+
+
 def load(path: Path) -> Calibration:
     """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
     data = _read_object(path, "a kvturn bench results JSON or a saved calibration")
-    if data.get("kind") == KIND:
-        # A ratio saved for steps after idling (before they were found to cost fixed ms) is not carried over.
-        fields = {k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}
+    if data.get("kind") != KIND:
         try:
-            calibration = Calibration(**fields)
-        except TypeError as exc:
-            raise CalibrationError(f"{path}: malformed calibration ({exc})") from None
-        fits = calibration.compute_fits
-        if not isinstance(fits, dict) or "prefill" not in fits or not set(fits) <= set(WORKER_KINDS) or not all(
-                isinstance(c, list) and len(c) in (3, 4) and all(type(v) in (int, float) for v in c)
-                for c in fits.values()):
-            raise CalibrationError(f"{path}: compute_fits must map prefill (and {', '.join(WORKER_KINDS[1:])}) to "
-                                   "4 numbers (a, b, c, q; or 3, a, b, k, as saved before)")
-        # (a, b, k), as saved before c and q were fitted apart, is c = q = k
-        calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1]) for kind, c in fits.items()}
-        calibration.decode_step_fit = tuple(calibration.decode_step_fit)
-        if calibration.colocated_step_fit is not None:
-            calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
-        for name in ("decode_fit_alone", "decode_step_padded", "decodes_share_fixed_cost"):
-            if type(getattr(calibration, name)) is not bool:
-                raise CalibrationError(f"{path}: {name} must be true or false, got {getattr(calibration, name)!r}")
-        scatter = calibration.step_scatter
-        if not isinstance(scatter, dict) or not set(scatter) <= set(WORKER_KINDS) or not all(
-                isinstance(q, list) and 0 < len(q) <= MAX_SCATTER_QUANTILES and
-                all(type(v) in (int, float) and 0 < v <= MAX_SCATTER for v in q) for q in scatter.values()):
-            raise CalibrationError(f"{path}: step_scatter must map kinds of worker ({', '.join(WORKER_KINDS)}) to "
-                                   f"lists of 1 to {MAX_SCATTER_QUANTILES} factors within (0, {MAX_SCATTER:g}]")
-        for name in ("other_ms", "other_ms_per_request"):
-            per_leg = getattr(calibration, name)
-            if not isinstance(per_leg, dict) or not all(number_within(v, 0.0, MAX_OTHER_MS) for v in per_leg.values()):
-                raise CalibrationError(f"{path}: {name} must map legs to numbers from 0 to {MAX_OTHER_MS:g}")
-        spread = calibration.run_spread
-        if not isinstance(spread, dict) or not set(spread) <= set(WORKER_KINDS) or not all(
-                number_within(v, 0.0, MAX_SPREAD) for v in spread.values()):
-            raise CalibrationError(f"{path}: run_spread must map kinds of worker ({', '.join(WORKER_KINDS)}) to "
-                                   f"numbers from 0 to {MAX_SPREAD:g}")
-        if calibration.answer_reuse_share is not None and not number_within(calibration.answer_reuse_share, 0.0, 1.0):
-            raise CalibrationError(f"{path}: answer_reuse_share must be a number from 0 to 1, or null")
-        if not number_within(calibration.other_load_seen, 0.0, MAX_OTHER_MS):
-            raise CalibrationError(f"{path}: other_load_seen must be a number from 0 to {MAX_OTHER_MS:g}")
-        seen = calibration.seen
-        if not isinstance(seen, dict) or not set(seen) <= set(SEEN_SHAPES) or not all(
-                number_within(v, 1.0, MAX_SEEN) for v in seen.values()):
-            raise CalibrationError(f"{path}: seen must map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 1 to "
-                                   f"{MAX_SEEN:g}")
-        if "decode_attended" in seen and not calibration.decode_step_padded:
-            raise CalibrationError(f"{path}: seen says decode_attended only of a padded decode step fit "
-                                   "(decode_step_padded true)")
-        for name, optional in (("idle_step_ms", False), ("busy_idle_step_ms", True)):
-            value = getattr(calibration, name)
-            if not (optional and value is None) and not number_within(value, 0.0, MAX_IDLE_MS):
-                raise CalibrationError(f"{path}: {name} must be a number from 0 to {MAX_IDLE_MS:g}, got {value!r}")
-        return calibration
+            return Calibration(**fitted(data, source=Path(path).name))
+        except CalibrationError as exc:
+            raise CalibrationError(f"{path}: {exc}") from None
+    # A ratio saved for steps after idling (before they were found to cost fixed ms) is not carried over.
+    fields = {k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}
+    unknown = set(fields) - set(SAVED_FIELDS)
+    if unknown:
+        raise CalibrationError(f"{path}: malformed calibration (unknown fields: {', '.join(sorted(unknown))})")
+    for name, (valid, says) in SAVED_FIELDS.items():
+        if name in fields and not valid(fields[name]):
+            raise CalibrationError(f"{path}: {name} must {says}, got {reprlib.repr(fields[name])}")
     try:
-        return Calibration(**fitted(data, source=Path(path).name))
-    except CalibrationError as exc:
-        raise CalibrationError(f"{path}: {exc}") from None
+        calibration = Calibration(**fields)
+    except TypeError as exc:
+        raise CalibrationError(f"{path}: malformed calibration ({exc})") from None
+    if "decode_attended" in calibration.seen and not calibration.decode_step_padded:
+        raise CalibrationError(f"{path}: seen says decode_attended only of a padded decode step fit "
+                               "(decode_step_padded true)")
+    # (a, b, k), as saved before c and q were fitted apart, is c = q = k
+    calibration.compute_fits = {kind: tuple(c) if len(c) == 4 else (*c, c[-1])
+                                for kind, c in calibration.compute_fits.items()}
+    calibration.decode_step_fit = tuple(calibration.decode_step_fit)
+    if calibration.colocated_step_fit is not None:
+        calibration.colocated_step_fit = tuple(calibration.colocated_step_fit)
+    return calibration
