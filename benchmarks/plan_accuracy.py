@@ -80,6 +80,8 @@ WORKLOADS = ("sweep", "agent-loop", "concurrent")
 TOLERANCE = 0.15
 CALIBRATION_WORKLOAD = Path(__file__).parent / "plan_calibration.json"
 CALIBRATION_SESSIONS = 4
+# Under OUT: the calibration runs, and those of --compare-calibration's workload
+CALIBRATION_FOLDER, ALT_CALIBRATION_FOLDER = "calibration", "calibration-alt"
 QUIET_FILE = Path("/tmp/kvturn-quiet")  # another measurement needs the machine to itself while it exists
 
 
@@ -98,7 +100,7 @@ def leg_dir(out: Path, workload: str, leg: str, run: int) -> Path:
     return out / measured / leg.replace("/", "_") / f"run-{run}"
 
 
-def calibration_runs(out: Path, repeats: int, folder: str = "calibration") -> list[Path]:
+def calibration_runs(out: Path, repeats: int, folder: str = CALIBRATION_FOLDER) -> list[Path]:
     """The calibration runs of rounds 1..repeats that are there (a round of an earlier, longer run is not counted)."""
     return [path for run in range(1, repeats + 1)
             if (path := out / folder / f"run-{run}" / "results.json").exists()]
@@ -289,17 +291,17 @@ def main() -> None:
     if args.plan_only and args.measure_only:
         raise SystemExit("--plan-only and --measure-only exclude each other")
     if not args.plan_only:
-        calibrations = {"calibration": CALIBRATION_WORKLOAD}
+        calibrations = {CALIBRATION_FOLDER: CALIBRATION_WORKLOAD}
         if args.compare_calibration:
-            calibrations["calibration-alt"] = args.compare_calibration
+            calibrations[ALT_CALIBRATION_FOLDER] = args.compare_calibration
         measure(args.out, workloads, names(args.legs, LEGS), args.repeats, args.reuse_measured or args.measure_only,
                 args.pin_workers, calibrations)
     if args.measure_only:
         return
     all_rounds = list(range(1, args.repeats + 1))
-    rows, rounds, text = plan_against(args.out, workloads, all_rounds, "calibration", "plan")
+    rows, rounds, text = plan_against(args.out, workloads, all_rounds, CALIBRATION_FOLDER, "plan")
     if args.compare_calibration:
-        other, other_rounds, other_text = plan_against(args.out, workloads, all_rounds, "calibration-alt", "plan-alt")
+        other, other_rounds, other_text = plan_against(args.out, workloads, all_rounds, ALT_CALIBRATION_FOLDER, "plan-alt")
         text += (f"\n\nPlanned instead from the calibrations of {args.compare_calibration}, made in the same rounds "
                  f"(OUT/calibration-alt):\n\n" + other_text)
     workers = []

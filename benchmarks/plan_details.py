@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--calibration-alt", action="store_true",
                         help="plan from the calibrations of plan_accuracy.py --compare-calibration (OUT/calibration-alt)")
     args = parser.parse_args()
-    folder = "calibration-alt" if args.calibration_alt else "calibration"
+    folder = plan_accuracy.ALT_CALIBRATION_FOLDER if args.calibration_alt else plan_accuracy.CALIBRATION_FOLDER
     calibrations = plan_accuracy.calibration_runs(args.out, args.repeats, folder)
     if not calibrations:
         raise SystemExit(f"no calibration run in {args.out / folder} (run-1 .. run-{args.repeats})")
