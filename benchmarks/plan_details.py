@@ -28,7 +28,7 @@ import plan_accuracy  # noqa: E402  (a sibling script: the same OUT layout and t
 
 from kvturn.bench.compare import LEGS, SCENARIOS  # noqa: E402
 from kvturn.cli import resolve_model  # noqa: E402
-from kvturn.plan import fit, predict, step_samples  # noqa: E402
+from kvturn.plan import fit, predict, step_samples, trace  # noqa: E402
 from kvturn.plan.calibration import Calibration, load_many  # noqa: E402
 from kvturn.plan.rows import rows_of  # noqa: E402
 from kvturn.plan.sim import Deployment, Simulation  # noqa: E402
@@ -77,6 +77,7 @@ def decode_speed(cost_model: Calibration, leg: dict) -> tuple[float | None, floa
 
 def leg_details(workload, leg: str, cost_model: Calibration, measured: list[tuple[dict, dict]]) -> str:
     deployment = Deployment(one_host=True)
+    workload = trace.resend_answers(workload, cost_model.resent_answer_ratio)  # the prompts as simulated
     draws = predict.replications(workload, cost_model)
     sims = [Simulation(workload, LEGS[leg], deployment, cost_model, seed) for seed in range(draws)]
     for sim in sims:

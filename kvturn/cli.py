@@ -273,7 +273,7 @@ def bench(
     else:
         results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                                request_rate=request_rate, warmup_turns=warmup_turns,
-                                               max_turns=max_turns, seed=seed))}
+                                               max_turns=max_turns, seed=seed, count_tokens=tokenizer.count))}
     summaries = [report.summarize(leg, result) for leg, result in results.items()]
     ideal = comparison.ideal_speedup(results, model_dir) if compare else None
     info = machine()

@@ -15,7 +15,7 @@ from chat import conversation, metric, send, user_message
 from kvturn.cli import app
 from kvturn.config import SERVER_KEEP_ALIVE_S
 from kvturn.launch import LocalStack
-from kvturn.plan import calibration, planner
+from kvturn.plan import calibration, planner, trace
 from kvturn.router.upstream import IDLE_CONNECTION_S
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
@@ -163,15 +163,15 @@ def test_decode_killed_between_turns_falls_back_to_recompute(stacks, reference):
     assert result["text"] == expected["text"]
 
 
-def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
+def test_bench_cli_measures_reuse_against_the_router(stacks, tiny_model_dir, tmp_path):
     """`kvturn bench --url` against a live stack: vLLM-named stats, kvturn split, report files."""
     workload_file = tmp_path / "agent.json"
     workload_file.write_text(json.dumps({"filetype": "kvturn_synthetic", "num_sessions": 2, "system_tokens": 300,
                                          "num_turns": 3, "new_tokens": 40, "answer_tokens": 8}))
     out = tmp_path / "report"
     run = subprocess.run([sys.executable, "-m", "kvturn.cli", "bench", "--url", stacks["bidir"].url, "--workload",
-                          str(workload_file), "--sessions", "2", "--out", str(out)], capture_output=True, text=True,
-                         timeout=300)
+                          str(workload_file), "--sessions", "2", "--model", str(tiny_model_dir), "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     [leg] = results["legs"].values()
@@ -185,6 +185,18 @@ def test_bench_cli_measures_reuse_against_the_router(stacks, tmp_path):
         assert r["decode_engine_wait_ms"] >= 0
     later = [r for r in requests if r["turn"] > 0]
     assert all(r["reuse"] == "reused" and r["bytes_d_to_p"] > 0 for r in later)
+    # Each answer goes back as its text, which the bench counts: the next prompt grows by the tokens that text
+    # came to and the user's new words (as `kvturn plan` counts them from the same workload and seed), within the
+    # one token where the answer meets the next message.
+    planned = trace.load(workload_file, lambda: str(tiny_model_dir), 0, 2)
+    sent = {(r["conversation_id"], r["turn"]): r for r in requests}
+    for session in planned.sessions:
+        for turn, (before, after) in enumerate(zip(session.turns, session.turns[1:])):
+            answered, next_prompt = sent[session.conversation_id, turn], sent[session.conversation_id, turn + 1]
+            assert type(answered["answer_text_tokens"]) is int and answered["answer_text_tokens"] >= 0
+            user_tokens = after.prompt_tokens - before.prompt_tokens - before.output_tokens
+            grew = next_prompt["input_num_tokens"] - answered["input_num_tokens"]
+            assert abs(grew - answered["answer_text_tokens"] - user_tokens) <= 1, (grew, answered, user_tokens)
     assert max(b for _, b in leg["retained_kv"]) > 0
     for name in ("report.html", "ttft_vs_prompt.png", "prefill_split.png", "session_time.png", "retained_kv.png"):
         assert (out / name).stat().st_size > 1000, name

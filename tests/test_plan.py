@@ -103,6 +103,72 @@ def test_bench_workload_formats_become_token_counts(tmp_path, tiny_model_dir):
             assert second.shared_tokens == first.prompt_tokens + first.output_tokens
 
 
+def test_the_tokens_an_answers_text_comes_to_over_those_generated_are_fitted_from_what_the_bench_counted(
+        cost_model, tmp_path):
+    assert cost_model.resent_answer_ratio is None  # the checked-in run did not count them: answers as generated
+    results = json.loads(FIXTURE.read_text())
+    counted = 0
+    for run in results["legs"].values():
+        for index, request in enumerate(run["requests"]):
+            # Half the answers come back whole, half as a quarter of their tokens; junk counts are left out.
+            request["answer_text_tokens"] = [request["output_num_tokens"], request["output_num_tokens"] // 4,
+                                             "12", -3, True, 2**40][index % 6]
+            counted += index % 6 < 2
+    rows = rows_of(results)
+    kept = [row for row in rows if row.answer_text_tokens is not None]
+    assert 0 < len(kept) <= counted
+    expected = sum(row.answer_text_tokens for row in kept) / sum(row.output_tokens for row in kept)
+    assert 0.5 < expected < 0.75
+    model = calibration.Calibration(**fit.fitted(results))
+    assert model.resent_answer_ratio == pytest.approx(expected)
+    assert calibration.load(model.save(tmp_path / "resent.json")) == model
+    # Never more of an answer is reused from retention than comes back.
+    assert replace(model, answer_reuse_share=1.0).answer_share == pytest.approx(expected)
+    assert replace(model, answer_reuse_share=0.05).answer_share == 0.05
+
+
+def test_a_workload_of_conversations_resends_each_answer_at_the_calibrated_share_of_its_tokens(tiny_model_dir,
+                                                                                              tmp_path):
+    path = tmp_path / "syn.json"
+    path.write_text(json.dumps({"filetype": "kvturn_synthetic", "num_sessions": 2, "system_tokens": 200,
+                                "num_turns": 4, "new_tokens": 40, "answer_tokens": 20}))
+    workload = trace.load(path, lambda: str(tiny_model_dir), 0, 2)
+    assert workload.answers_as_generated
+    resent = trace.resend_answers(workload, 0.5)
+    assert not resent.answers_as_generated and trace.resend_answers(resent, 0.5) == resent  # once only
+    for before, after in zip(workload.sessions, resent.sessions):
+        for index, (planned, sent) in enumerate(zip(before.turns, after.turns)):
+            # Each answer before the turn comes back as 10 of its 20 tokens.
+            assert planned.prompt_tokens - sent.prompt_tokens == 10 * index
+            assert (sent.output_tokens, sent.think_s) == (planned.output_tokens, planned.think_s)
+        for previous, turn in zip(after.turns, after.turns[1:]):
+            # The turn still continues the previous prompt and answer: what it can reuse is the previous prompt
+            # and the reused share of the answer, never more than comes back, nor its own last token.
+            assert trace.reusable(previous, turn, 1.0) == min(previous.prompt_tokens + 20, turn.prompt_tokens - 1)
+            assert trace.reusable(previous, turn, 0.05) == previous.prompt_tokens + 1
+    # A trace counted what was sent; no ratio measured keeps the workload as planned.
+    assert trace.resend_answers(agent_sessions(2, 3), 0.5) == agent_sessions(2, 3)
+    assert trace.resend_answers(workload, None) is workload
+
+
+def test_the_plan_simulates_the_prompts_as_resent(cost_model, tiny_model_dir, tmp_path):
+    path = tmp_path / "syn.json"
+    path.write_text(json.dumps({"filetype": "kvturn_synthetic", "num_sessions": 2, "system_tokens": 300,
+                                "num_turns": 5, "new_tokens": 50, "answer_tokens": 200}))
+    workload = trace.load(path, lambda: str(tiny_model_dir), 0, 2)
+    leg = "pd/P-cache-off"
+    plans = {ratio: planner.plan(workload, replace(cost_model, resent_answer_ratio=ratio), Deployment(), [leg],
+                                 "pull", False, [60.0], ()) for ratio in (None, 1.0, 0.25)}
+    assert plans[None]["legs"][leg] == plans[1.0]["legs"][leg]  # answers that come back whole change nothing
+    assert [plans[ratio]["workload"]["answers_resent_at"] for ratio in (None, 1.0, 0.25)] == [None, 1.0, 0.25]
+    # Each answer resent as a quarter of its 200 tokens: later prompts are 150 tokens a turn shorter, and a leg
+    # that recomputes the whole prompt answers sooner.
+    assert plans[0.25]["legs"][leg]["ttft_p50_ms"] < plans[None]["legs"][leg]["ttft_p50_ms"]
+    sim = Simulation(workload, LEGS[leg], Deployment(), replace(cost_model, resent_answer_ratio=0.25)).run()
+    planned = {(i, t): turn.prompt_tokens for i, s in enumerate(workload.sessions) for t, turn in enumerate(s.turns)}
+    assert all(planned[(r.session, r.turn)] - r.prompt_tokens == 150 * r.turn for r in sim.results)
+
+
 def test_calibration_fits_the_checked_in_bench_run_and_round_trips(cost_model, tmp_path):
     assert cost_model.kv_bytes_per_token == 4096  # the tiny model: 4 layers x K,V x 2 heads x 64 x fp32
     assert set(cost_model.compute_fits) == {"prefill", "decode", "colocated"}

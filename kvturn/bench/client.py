@@ -6,6 +6,7 @@ server is kvturn, the response's `kvturn` block adds the prefill split and the r
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -52,6 +53,9 @@ class RequestRecord:
     predicted_tokens_computed: int | None = None  # ...and the prompt tokens it expected the path to compute
     bytes_d_to_p: int = 0
     bytes_p_to_d: int = 0
+    # the tokens the answer's text comes to on its own, as the next turn resends it (a model's text need not
+    # tokenize back to the tokens it generated); None: not counted
+    answer_text_tokens: int | None = None
     error: str | None = None
 
     @property
@@ -234,10 +238,11 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
 async def run(url: str | list[str], conversations: list[Conversation], sessions: int = 4, request_rate: float = 0.0,
               warmup_turns: int = 0, max_turns: int | None = None, seed: int = 0, ignore_eos: bool = True,
               show_progress: bool = True, request_timeout_s: float = 600.0,
-              duration_s: float | None = None) -> RunResult:
+              duration_s: float | None = None, count_tokens: Callable[[str], int] | None = None) -> RunResult:
     """Replay every conversation, at most `sessions` at a time; turns of one conversation run in order.
     With `duration_s`, no turn starts after that many seconds (in-flight turns finish). With several URLs (router
-    replicas), each turn of a session goes to the next one."""
+    replicas), each turn of a session goes to the next one. `count_tokens` (the model's tokenizer) records the
+    tokens each answer's text comes to."""
     urls = [u.rstrip("/") for u in ([url] if isinstance(url, str) else url)]
     url = urls[0]
     result = RunResult()
@@ -284,6 +289,8 @@ async def run(url: str | list[str], conversations: list[Conversation], sessions:
                             session.failed = True
                             progress.advance(task, len(conv.turns) - index)
                             break
+                        if count_tokens is not None:
+                            record.answer_text_tokens = count_tokens(answer)
                         messages.append({"role": "assistant", "content": answer})
                         session.turns_completed += 1
                         progress.advance(task)

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from kvturn.plan import endpoints
-from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_SEEN, MAX_SLOWDOWN,
-                             SEEN_SHAPES, WORKER_KINDS, CalibrationError, fitted, predict_compute)
+from kvturn.plan.fit import (MAX_IDLE_MS, MAX_OTHER_MS, MAX_SCATTER, MAX_SCATTER_QUANTILES, MAX_RESENT_RATIO, MAX_SEEN,
+                             MAX_SLOWDOWN, SEEN_SHAPES, WORKER_KINDS, CalibrationError, fitted, predict_compute)
 from kvturn.plan.rows import number_within, rows_of
 
 KIND = "kvturn-calibration"
@@ -72,6 +72,10 @@ class Calibration:
     # the rest of it is resent as tokens other than those generated, and computed again. None: not measured (saved
     # before, read off workers, or a run where no turn read from D after another), and planned as all of it
     answer_reuse_share: float | None = None
+    # What an answer's text came to when resent, over the tokens generated (fit.resent_answer_ratio): a workload of
+    # conversations, whose answers are counted as generated, is planned with its prompts as resent
+    # (trace.resend_answers). None: not measured (saved before, read off workers, or a bench that did not count)
+    resent_answer_ratio: float | None = None
     # Fitted to several bench runs pooled: per kind of worker, how far apart the runs' own fits put one prompt
     # (SPREAD_PROMPT), the slowest over the fastest less 1. A machine whose speed drifts between the runs (a worker
     # computing on cores it shares with the router and client) shows here; the pooled fit lies between them, and a
@@ -134,8 +138,9 @@ class Calibration:
 
     @property
     def answer_share(self) -> float:
-        """The share of an answer the plan reuses next turn: as measured, or all of it."""
-        return 1.0 if self.answer_reuse_share is None else self.answer_reuse_share
+        """The share of an answer the plan reuses next turn: as measured, or all of it; never more than comes back."""
+        share = 1.0 if self.answer_reuse_share is None else self.answer_reuse_share
+        return min(share, 1.0 if self.resent_answer_ratio is None else self.resent_answer_ratio)
 
     def read_ms(self, tokens: int, direction: str) -> float:
         return tokens * self.kv_bytes_per_token / 2**20 * self.read_ms_per_mib[direction]
@@ -278,6 +283,8 @@ SAVED_FIELDS = {
     "seen": (_mapping(SEEN_SHAPES, _within(1.0, MAX_SEEN)),
              f"map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 1 to {MAX_SEEN:g}"),
     "answer_reuse_share": (_within(0.0, 1.0, optional=True), "be a number from 0 to 1, or null"),
+    "resent_answer_ratio": (_within(0.0, MAX_RESENT_RATIO, optional=True),
+                            f"be a number from 0 to {MAX_RESENT_RATIO:g}, or null"),
     "run_spread": (_mapping(WORKER_KINDS, _within(0.0, MAX_SPREAD)),
                    f"map kinds of worker ({KINDS}) to numbers from 0 to {MAX_SPREAD:g}"),
     "source": (lambda v: isinstance(v, str), "be a string"),

@@ -30,6 +30,7 @@ WORKER_KINDS = ("prefill", "decode", "colocated")  # the kinds of worker a compu
 # to it, else their sum). Beyond them the fits are extrapolated.
 SEEN_SHAPES = ("prompt_tokens", "prompt_context", "decode_batch", "decode_attended")
 MAX_SEEN = 2.0**40
+MAX_RESENT_RATIO = 64.0  # the most an answer's text may come to, over the tokens generated
 
 
 class CalibrationError(ValueError):
@@ -382,6 +383,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     p_to_d = _read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
     return {**fits, "answer_reuse_share": answer_reuse_share(run_rows_of),
+            "resent_answer_ratio": resent_answer_ratio(rows),
             "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
@@ -423,6 +425,18 @@ def answer_reuse_share(runs: list[list[Row]]) -> float | None:
     errors = [error(share) for share in ANSWER_SHARES]
     best = [share for share, e in zip(ANSWER_SHARES, errors) if e == min(errors)]
     return best[(len(best) - 1) // 2]
+
+
+def resent_answer_ratio(rows: list[Row]) -> float | None:
+    """What the answers' text came to, in tokens, over the tokens generated, of every answer the bench counted
+    (RequestRecord.answer_text_tokens); None where it counted none. A model's answer is resent next turn as text,
+    and its tokenizer need not make as many tokens of it again: on the embedded random-weight model about two
+    thirds (2026-12-03: 0.64, each answer coming back whole or as half its tokens); a trained model's, about 1."""
+    counted = [(row.answer_text_tokens, row.output_tokens) for row in rows if row.answer_text_tokens is not None]
+    generated = sum(output for _, output in counted)
+    if not generated:
+        return None
+    return min(sum(text for text, _ in counted) / generated, MAX_RESENT_RATIO)
 
 
 def rows_by_leg(run_rows: list[Row]) -> dict[str, list[Row]]:

@@ -10,7 +10,7 @@ from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import SPREAD_PROMPT, Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
 from kvturn.plan.sim import Deployment
-from kvturn.plan.trace import Workload, reusable
+from kvturn.plan.trace import Workload, resend_answers, reusable
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
 BUDGET_SHARES = (0.5, 0.25)  # budgets swept beside the deployment's own: shares of its peak retained KV
@@ -29,8 +29,10 @@ LEFT_OUT = (
     "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated; its "
     "corrections, backlog estimates and exploration of paths run as in kvturn/router)",
     "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
-    "a resent answer's length as the next prompt tokenizes it (counted at its generated length; how much of it "
-    "the next turn can reuse from retention is calibrated)",
+    "each resent answer's own length as the next prompt tokenizes it: a workload of conversations resends every "
+    "answer at the calibration's ratio of text tokens to tokens generated, pooled over its answers (at its "
+    "generated length from a calibration that did not count them); how much of it the next turn can reuse from "
+    "retention is calibrated too",
     "router, HTTP and the workers' tokenizing as a time per leg that grows by calibrated ms with each request in "
     "flight beside the turn, up to the most the calibration run saw, not a queue of its own (from a bench run that "
     "did not record the engines' own wait, a worker's tokenizing is counted as its queue, and left out)",
@@ -239,6 +241,8 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     """`budget_shares`: the retention budgets to sweep beside the deployment's own, as shares of the candidate's
     peak retained KV."""
     started = time.perf_counter()
+    resent_at = calibration.resent_answer_ratio if workload.answers_as_generated else None
+    workload = resend_answers(workload, calibration.resent_answer_ratio)
     baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
     chosen = list(dict.fromkeys([*legs, baseline, candidate]))
     predictions = dict(zip(chosen, simulate_many(workload, calibration, [(leg, deployment) for leg in chosen])))
@@ -248,7 +252,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     beyond = beyond_calibration(predictions, calibration)
     return {
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
-                     "clients": workload.clients},
+                     "clients": workload.clients, "answers_resent_at": resent_at},
         "deployment": asdict(deployment),
         "verdict": verdict(workload, predictions, baseline, candidate, calibration, deployment, points, beyond),
         "beyond_calibration": beyond,

@@ -2,6 +2,8 @@
 time split, and when each phase (waiting, prefill, decode) ran."""
 from dataclasses import dataclass
 
+MAX_ANSWER_TEXT_TOKENS = 2**24
+
 
 @dataclass(slots=True)
 class Row:
@@ -30,6 +32,7 @@ class Row:
     queue_ms: float = 0.0
     decode_wait_ms: float = 0.0  # ...and D's, when D computed the prompt
     decode_computed: int | None = None  # prompt tokens D computed, when it computed the prompt and said so
+    answer_text_tokens: int | None = None  # what the answer's text came to, resent next turn; None: not counted
 
     @property
     def d_part_of_ttft_ms(self) -> float:
@@ -65,7 +68,7 @@ def _row(leg: str, r: dict) -> Row | None:
                r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
                r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, queue,
                max(decode_wait, 0.0), decode_computed if number_within(decode_computed, 1, r["input_num_tokens"])
-               and isinstance(decode_computed, int) else None)
+               and isinstance(decode_computed, int) else None, _count(r.get("answer_text_tokens")))
 
 
 def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:
@@ -80,6 +83,10 @@ def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:
 def number_within(value, least: float, most: float) -> bool:
     """Whether `value` is an int or float from `least` to `most` (not a bool; NaN fails both comparisons)."""
     return type(value) in (int, float) and least <= value <= most
+
+
+def _count(value) -> int | None:
+    return value if type(value) is int and 0 <= value <= MAX_ANSWER_TEXT_TOKENS else None
 
 
 def _ms(value) -> float:

@@ -13,7 +13,7 @@ from kvturn.plan.calibration import Calibration
 from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
-from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
+from kvturn.plan.trace import Session, TurnDemand, Workload, resend_answers, reusable
 from kvturn.router import paths
 from kvturn.router.workers import Claim, WorkerPool
 
@@ -155,6 +155,8 @@ class RouterPool:
 class Simulation:
     def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
                  seed: int = 0):
+        # the prompts as the calibration's model resends its answers (a trace's, or a workload already so, as given)
+        workload = resend_answers(workload, calibration.resent_answer_ratio)
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}

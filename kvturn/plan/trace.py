@@ -11,7 +11,7 @@ time before the next turn is known exactly; without it the think time is the gap
 """
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvturn.bench import compare, workload as bench_workload
@@ -24,7 +24,9 @@ TRACE_FIELDS = {"timestamp": (int, float), "conversation_id": str, "prompt_token
 class TurnDemand:
     prompt_tokens: int
     output_tokens: int
-    shared_tokens: int  # leading tokens of this prompt equal to the previous turn's prompt + answer
+    # leading tokens of this prompt equal to the previous turn's prompt + answer; with answers resent shorter than
+    # generated (resend_answers), the previous prompt + answer as generated, which this prompt continues
+    shared_tokens: int
     think_s: float = 0.0  # from the end of the previous turn to the start of this one
 
 
@@ -40,6 +42,9 @@ class Workload:
     name: str
     sessions: list[Session]
     clients: int | None = None  # sessions replayed at once, each after the last (None: by the sessions' start_s)
+    # Every prompt counts the answers before it at the tokens they were generated as (conversations, whose answers
+    # are not known yet), not at what their text came to when resent (a trace counts what was sent)
+    answers_as_generated: bool = False
 
     @property
     def num_turns(self) -> int:
@@ -60,10 +65,34 @@ def continues(previous: TurnDemand, prompt_tokens: int) -> int:
 def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
     """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
     of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
-    Calibration.answer_reuse_share). A prompt that does not continue the previous prompt and answer keeps its own."""
+    Calibration.answer_share), and never its last token. A prompt that does not continue the previous prompt and
+    answer keeps its own."""
     if previous is None or turn.shared_tokens != previous.prompt_tokens + previous.output_tokens:
-        return turn.shared_tokens
-    return previous.prompt_tokens + int(answer_share * previous.output_tokens)
+        return min(turn.shared_tokens, turn.prompt_tokens - 1)
+    return min(previous.prompt_tokens + int(answer_share * previous.output_tokens), turn.prompt_tokens - 1)
+
+
+def resend_answers(workload: Workload, ratio: float | None) -> Workload:
+    """`workload` with each answer resent at `ratio` of the tokens generated (Calibration.resent_answer_ratio): a
+    model's answer is sent back as text, which its tokenizer need not make into as many tokens again (the embedded
+    random-weight model's come to about two thirds). Every later prompt of the session is shorter by what the
+    answers before it lost; a turn that continued the previous prompt and answer still does, at the previous
+    answer's generated length (the KV its decode worker holds), which may now reach past its own prompt. A
+    trace, or no ratio measured, is kept as it is."""
+    if ratio is None or not workload.answers_as_generated:
+        return workload
+    sessions = []
+    for session in workload.sessions:
+        turns: list[TurnDemand] = []
+        lost = 0
+        for before, turn in zip([None, *session.turns], session.turns):
+            prompt = max(turn.prompt_tokens - lost, 1)
+            continued = before is not None and turn.shared_tokens == before.prompt_tokens + before.output_tokens
+            shared = turns[-1].prompt_tokens + before.output_tokens if continued else min(turn.shared_tokens, prompt)
+            turns.append(replace(turn, prompt_tokens=prompt, shared_tokens=shared))
+            lost += turn.output_tokens - round(ratio * turn.output_tokens)
+        sessions.append(replace(session, turns=turns))
+    return replace(workload, sessions=sessions, answers_as_generated=False)
 
 
 def from_conversations(name: str, conversations: list, tokenizer, clients: int) -> Workload:
@@ -83,7 +112,7 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
             messages.append({"role": "assistant", "content": ""})
             answered += turn.answer_tokens
         sessions.append(Session(conv.conversation_id, turns))
-    return Workload(name, sessions, clients)
+    return Workload(name, sessions, clients, answers_as_generated=True)
 
 
 def _trace_record(line: str, where: str) -> dict:
