@@ -180,7 +180,7 @@ def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration
     if urls:
         if len(urls) < len(paths):
             raise CalibrationError("give bench results JSONs or workers' URLs, not both")
-        return Calibration(**endpoints.fitted(urls, secret))
+        return Calibration(**checked(endpoints.fitted(urls, secret), ", ".join(map(str, urls))))
     paths = [Path(p) for p in paths]
     if len(paths) == 1:
         return load(paths[0])
@@ -193,7 +193,8 @@ def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration
         if not rows_of(data):
             raise CalibrationError(f"{path}: not a kvturn bench results JSON: no measured requests under 'legs'")
         runs.append(data)
-    return Calibration(**fitted(runs, source=", ".join(map(str, paths))), run_spread=run_spread(runs))
+    source = ", ".join(map(str, paths))
+    return Calibration(**checked({**fitted(runs, source=source), "run_spread": run_spread(runs)}, source))
 
 
 # The prompt whose time the runs' own fits are compared at: 1000 new tokens after 3000 of history, a later turn's
@@ -225,9 +226,10 @@ def _within(least: float, most: float, optional: bool = False):
 
 
 def _numbers(counts: tuple[int, ...], optional: bool = False):
-    """A list of one of `counts` numbers, each within +-MAX_COEFFICIENT."""
+    """A list of one of `counts` numbers, each from 0 to MAX_COEFFICIENT (every fit is of nonnegative terms: a
+    negative one would make a step take negative time)."""
     return lambda v: (optional and v is None) or (isinstance(v, list) and len(v) in counts and all(
-        number_within(c, -MAX_COEFFICIENT, MAX_COEFFICIENT) for c in v))
+        number_within(c, 0.0, MAX_COEFFICIENT) for c in v))
 
 
 def _mapping(keys, value, required=()):
@@ -243,8 +245,7 @@ def _boolean(v) -> bool:
 
 def _contention(v) -> bool:
     return isinstance(v, dict) and set(v) == {"prefill_slowdown", "decode_step_ms"} and number_within(
-        v["prefill_slowdown"], 0.0, MAX_SLOWDOWN) and number_within(v["decode_step_ms"], -MAX_COEFFICIENT,
-                                                                     MAX_COEFFICIENT)
+        v["prefill_slowdown"], 0.0, MAX_SLOWDOWN) and number_within(v["decode_step_ms"], 0.0, MAX_COEFFICIENT)
 
 
 def _factor(v) -> bool:
@@ -257,10 +258,10 @@ READ_DIRECTIONS = tuple(endpoints.READ_DIRECTION.values())
 SAVED_FIELDS = {
     "compute_fits": (_mapping(WORKER_KINDS, _numbers((3, 4)), required=("prefill",)),
                      f"map prefill (and {', '.join(WORKER_KINDS[1:])}) to 4 numbers (a, b, c, q; or 3, a, b, k, as "
-                     f"saved before) within +-{MAX_COEFFICIENT:g}"),
-    "decode_step_fit": (_numbers((3,)), f"be 3 numbers (a, b, k) within +-{MAX_COEFFICIENT:g}"),
+                     f"saved before) from 0 to {MAX_COEFFICIENT:g}"),
+    "decode_step_fit": (_numbers((3,)), f"be 3 numbers (a, b, k) from 0 to {MAX_COEFFICIENT:g}"),
     "contention": (_contention, f"map prefill_slowdown to a number from 0 to {MAX_SLOWDOWN:g} and decode_step_ms to "
-                                f"one within +-{MAX_COEFFICIENT:g}"),
+                                f"one from 0 to {MAX_COEFFICIENT:g}"),
     "read_ms_per_mib": (_mapping(READ_DIRECTIONS, _within(0.0, MAX_COEFFICIENT), required=READ_DIRECTIONS),
                         f"map {' and '.join(READ_DIRECTIONS)} to numbers from 0 to {MAX_COEFFICIENT:g}"),
     "kv_bytes_per_token": (_within(1.0, endpoints.MAX_BYTES_PER_TOKEN),
@@ -268,7 +269,7 @@ SAVED_FIELDS = {
     "other_ms": (_mapping(None, _within(0.0, MAX_OTHER_MS)), f"map legs to numbers from 0 to {MAX_OTHER_MS:g}"),
     "decode_fit_alone": (_boolean, "be true or false"),
     "colocated_step_fit": (_numbers((3,), optional=True),
-                           f"be 3 numbers (a, b, k) within +-{MAX_COEFFICIENT:g}, or null"),
+                           f"be 3 numbers (a, b, k) from 0 to {MAX_COEFFICIENT:g}, or null"),
     "idle_step_ms": (_within(0.0, MAX_IDLE_MS), f"be a number from 0 to {MAX_IDLE_MS:g}"),
     "busy_idle_step_ms": (_within(0.0, MAX_IDLE_MS, optional=True), f"be a number from 0 to {MAX_IDLE_MS:g}, or null"),
     "decode_step_padded": (_boolean, "be true or false"),
@@ -292,22 +293,30 @@ SAVED_FIELDS = {
 }
 
 
+def checked(fields: dict, where: str) -> dict:
+    """`fields` of a Calibration, saved or just fitted, if each is as SAVED_FIELDS says once written as JSON (what
+    a fit makes of an odd bench run is refused as a saved file would be, not planned with and saved unloadable);
+    otherwise a CalibrationError naming `where`."""
+    unknown = set(fields) - set(SAVED_FIELDS)
+    if unknown:
+        raise CalibrationError(f"{where}: malformed calibration (unknown fields: {', '.join(sorted(unknown))})")
+    data = json.loads(json.dumps(fields))
+    for name, (valid, says) in SAVED_FIELDS.items():
+        if name in data and not valid(data[name]):
+            raise CalibrationError(f"{where}: {name} must {says}, got {reprlib.repr(data[name])}")
+    return fields
+
+
 def load(path: Path) -> Calibration:
     """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
     data = _read_object(path, "a kvturn bench results JSON or a saved calibration")
     if data.get("kind") != KIND:
         try:
-            return Calibration(**fitted(data, source=Path(path).name))
+            return Calibration(**checked(fitted(data, source=Path(path).name), str(path)))
         except CalibrationError as exc:
-            raise CalibrationError(f"{path}: {exc}") from None
+            raise CalibrationError(exc if str(exc).startswith(f"{path}: ") else f"{path}: {exc}") from None
     # A ratio saved for steps after idling (before they were found to cost fixed ms) is not carried over.
-    fields = {k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}
-    unknown = set(fields) - set(SAVED_FIELDS)
-    if unknown:
-        raise CalibrationError(f"{path}: malformed calibration (unknown fields: {', '.join(sorted(unknown))})")
-    for name, (valid, says) in SAVED_FIELDS.items():
-        if name in fields and not valid(fields[name]):
-            raise CalibrationError(f"{path}: {name} must {says}, got {reprlib.repr(fields[name])}")
+    fields = checked({k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}, str(path))
     try:
         calibration = Calibration(**fields)
     except TypeError as exc:

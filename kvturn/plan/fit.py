@@ -384,7 +384,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
     return {**fits, "answer_reuse_share": answer_reuse_share(run_rows_of),
             "resent_answer_ratio": resent_answer_ratio(rows),
-            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d or d_to_p or 0.0},
+            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d if p_to_d is not None else d_to_p or 0.0},
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,

@@ -3,6 +3,8 @@ time split, and when each phase (waiting, prefill, decode) ran."""
 from dataclasses import dataclass
 
 MAX_ANSWER_TEXT_TOKENS = 2**24
+MAX_TOKENS = 2**24  # of a prompt
+MAX_BYTES = 2**50  # read by one request
 
 
 @dataclass(slots=True)
@@ -48,27 +50,38 @@ class Row:
 
 
 def _row(leg: str, r: dict) -> Row | None:
-    if r.get("error") or r.get("warmup") or not r.get("ttft_ms") or not r.get("input_num_tokens"):
+    """A request of a bench results JSON as a Row, or None for one that failed, warmed up, or does not say a
+    positive TTFT and prompt length; any other field that is not a plausible number counts as unmeasured."""
+    if not isinstance(r, dict) or r.get("error") or r.get("warmup") or not number_within(r.get("ttft_ms"), 1e-9, 1e9) \
+            or not _tokens(r.get("input_num_tokens"), 1):
         return None
+    prompt = r["input_num_tokens"]
     computed = r.get("prompt_tokens_computed_prefill")
+    computed = computed if _tokens(computed, 0, prompt) else None
     decode_computed = r.get("decode_tokens_computed")
-    queue = _steps_wait(_ms(r.get("queue_ms")), r.get("engine_wait_ms"), _ms(r.get("d_to_p_read_ms")))
+    read_ms = _ms(r.get("d_to_p_read_ms"))
+    queue = _steps_wait(_ms(r.get("queue_ms")), r.get("engine_wait_ms"), read_ms)
     decode_wait = 0.0
     if decode_compute := _ms(r.get("decode_compute_ms")):  # D computed the prompt (compute on decode): it queued
-        read_ms = _ms(r.get("p_to_d_read_ms"))
-        decode_wait = _steps_wait(_ms(r.get("decode_ttft_ms")) - decode_compute - read_ms,
-                                  r.get("decode_engine_wait_ms"), read_ms)
-    if computed is None and r.get("approx_cached_percent") is not None and r.get("prefill_compute_ms"):
-        computed = round(r["input_num_tokens"] * (1 - r["approx_cached_percent"] / 100))  # a colocated worker
-    return Row(leg, str(r.get("conversation_id")), int(r.get("turn") or 0), float(r.get("start_time_ms") or 0.0),
-               r["ttft_ms"], r.get("latency_ms") or r["ttft_ms"], r["input_num_tokens"],
-               r.get("output_num_tokens") or 1,
-               r.get("tpot_ms"), computed, r.get("prefill_compute_ms") or 0.0, r.get("decode_compute_ms") or 0.0,
-               r.get("d_to_p_read_ms") or 0.0, r.get("p_to_d_read_ms") or 0.0, r.get("bytes_d_to_p") or 0,
-               r.get("bytes_p_to_d") or 0, r.get("prompt_tokens_from_decode") or 0,
-               r.get("first_token_from") == "prefill", r.get("d_to_p_read_step_ms") or 0.0, queue,
-               max(decode_wait, 0.0), decode_computed if number_within(decode_computed, 1, r["input_num_tokens"])
-               and isinstance(decode_computed, int) else None, _count(r.get("answer_text_tokens")))
+        p_to_d_ms = _ms(r.get("p_to_d_read_ms"))
+        decode_wait = _steps_wait(_ms(r.get("decode_ttft_ms")) - decode_compute - p_to_d_ms,
+                                  r.get("decode_engine_wait_ms"), p_to_d_ms)
+    cached_percent = r.get("approx_cached_percent")
+    if computed is None and number_within(cached_percent, 0.0, 100.0) and _ms(r.get("prefill_compute_ms")):
+        computed = round(prompt * (1 - cached_percent / 100))  # a colocated worker
+    output = r.get("output_num_tokens")
+    counted = _tokens(output, 1)
+    tpot = r.get("tpot_ms")
+    return Row(leg, str(r.get("conversation_id")), r["turn"] if _tokens(r.get("turn"), 0) else 0,
+               _ms(r.get("start_time_ms")), r["ttft_ms"], _ms(r.get("latency_ms")) or r["ttft_ms"], prompt,
+               output if counted else 1, tpot if number_within(tpot, 0.0, 1e9) else None, computed,
+               _ms(r.get("prefill_compute_ms")), decode_compute, read_ms, _ms(r.get("p_to_d_read_ms")),
+               _bytes(r.get("bytes_d_to_p")), _bytes(r.get("bytes_p_to_d")),
+               r["prompt_tokens_from_decode"] if _tokens(r.get("prompt_tokens_from_decode"), 0, prompt) else 0,
+               r.get("first_token_from") == "prefill", _ms(r.get("d_to_p_read_step_ms")), queue,
+               max(decode_wait, 0.0), decode_computed if _tokens(decode_computed, 1, prompt) else None,
+               r.get("answer_text_tokens") if counted and _tokens(r.get("answer_text_tokens"), 0,
+                                                                   MAX_ANSWER_TEXT_TOKENS) else None)
 
 
 def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:
@@ -85,8 +98,13 @@ def number_within(value, least: float, most: float) -> bool:
     return type(value) in (int, float) and least <= value <= most
 
 
-def _count(value) -> int | None:
-    return value if type(value) is int and 0 <= value <= MAX_ANSWER_TEXT_TOKENS else None
+def _tokens(value, least: int, most: int = MAX_TOKENS) -> bool:
+    """Whether `value` is a count of tokens from `least` to `most` (an int, not a bool)."""
+    return type(value) is int and least <= value <= most
+
+
+def _bytes(value) -> int:
+    return value if type(value) is int and 0 <= value <= MAX_BYTES else 0
 
 
 def _ms(value) -> float:
