@@ -103,6 +103,34 @@ def test_bench_workload_formats_become_token_counts(tmp_path, tiny_model_dir):
             assert second.shared_tokens == first.prompt_tokens + first.output_tokens
 
 
+def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible_or_is_refused_by_name(cost_model, tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    junk = ["12", None, True, -5, float("nan"), 1e300, [1], {"ms": 1}]
+    fields = ["ttft_ms", "input_num_tokens", "output_num_tokens", "prefill_compute_ms", "d_to_p_read_ms",
+              "p_to_d_read_ms", "bytes_d_to_p", "prompt_tokens_from_decode", "tpot_ms", "latency_ms", "turn",
+              "start_time_ms", "prompt_tokens_computed_prefill", "approx_cached_percent", "queue_ms"]
+    poisoned = 0
+    for run in results["legs"].values():
+        for index, request in enumerate(run["requests"]):
+            if index % 5 == 0:  # one request in five has one field of junk
+                request[fields[index % len(fields)]] = junk[index % len(junk)]
+                poisoned += 1
+        run["requests"].append("not a request")
+    assert poisoned > 10
+    (tmp_path / "junk.json").write_text(json.dumps(results))
+    model = calibration.load(tmp_path / "junk.json")  # fitted from the plausible rest, as a saved one would load
+    assert calibration.load(model.save(tmp_path / "saved.json")) == model
+    assert model.kv_bytes_per_token == cost_model.kv_bytes_per_token
+    # A byte a read: what fits to values no saved calibration may hold is refused naming the file, not planned with.
+    for run in results["legs"].values():
+        for request in run["requests"]:
+            if isinstance(request, dict) and request.get("bytes_d_to_p"):
+                request["bytes_d_to_p"] = 1
+    (tmp_path / "tiny.json").write_text(json.dumps(results))
+    with pytest.raises(fit.CalibrationError, match=r"tiny\.json: (kv_bytes_per_token|read_ms_per_mib) must"):
+        calibration.load(tmp_path / "tiny.json")
+
+
 def test_the_tokens_an_answers_text_comes_to_over_those_generated_are_fitted_from_what_the_bench_counted(
         cost_model, tmp_path):
     assert cost_model.resent_answer_ratio is None  # the checked-in run did not count them: answers as generated
@@ -146,6 +174,11 @@ def test_a_workload_of_conversations_resends_each_answer_at_the_calibrated_share
             # and the reused share of the answer, never more than comes back, nor its own last token.
             assert trace.reusable(previous, turn, 1.0) == min(previous.prompt_tokens + 20, turn.prompt_tokens - 1)
             assert trace.reusable(previous, turn, 0.05) == previous.prompt_tokens + 1
+    # Answers come back as round(ratio x) the tokens generated so far, not rounded one by one (12.8 tokens of each
+    # 20 is 38 of 60 after three answers, not 39).
+    for before, after in zip(workload.sessions, trace.resend_answers(workload, 0.64).sessions):
+        for index, (planned, sent) in enumerate(zip(before.turns, after.turns)):
+            assert planned.prompt_tokens - sent.prompt_tokens == 20 * index - round(0.64 * 20 * index)
     # A trace counted what was sent; no ratio measured keeps the workload as planned.
     assert trace.resend_answers(agent_sessions(2, 3), 0.5) == agent_sessions(2, 3)
     assert trace.resend_answers(workload, None) is workload
@@ -167,6 +200,14 @@ def test_the_plan_simulates_the_prompts_as_resent(cost_model, tiny_model_dir, tm
     sim = Simulation(workload, LEGS[leg], Deployment(), replace(cost_model, resent_answer_ratio=0.25)).run()
     planned = {(i, t): turn.prompt_tokens for i, s in enumerate(workload.sessions) for t, turn in enumerate(s.turns)}
     assert all(planned[(r.session, r.turn)] - r.prompt_tokens == 150 * r.turn for r in sim.results)
+    # Pulled back from D: the previous prompt as resent and the 50 tokens of its answer that come back (whatever
+    # share of the answer as generated the calibration reuses), in whole blocks; never the 200 D holds.
+    pulled = Simulation(workload, LEGS["bidir/P-cache-off"], Deployment(),
+                        replace(cost_model, resent_answer_ratio=0.25, answer_reuse_share=1.0)).run()
+    sent = {(r.session, r.turn): r.prompt_tokens for r in pulled.results}
+    later = [r for r in pulled.results if r.turn > 0]
+    assert sum(r.reused_tokens > 0 for r in later) >= len(later) // 2
+    assert all(r.reused_tokens in (0, (sent[r.session, r.turn - 1] + 50) // 16 * 16) for r in later)
 
 
 def test_calibration_fits_the_checked_in_bench_run_and_round_trips(cost_model, tmp_path):

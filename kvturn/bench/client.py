@@ -284,13 +284,13 @@ async def run(url: str | list[str], conversations: list[Conversation], sessions:
                         try:
                             answer = await one_turn(client, urls[(client_id + index) % len(urls)], model, messages,
                                                     record, turn.answer_tokens, ignore_eos)
+                            if count_tokens is not None:
+                                record.answer_text_tokens = count_tokens(answer)
                         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                             record.error = f"{type(exc).__name__}: {exc}"[:300]
                             session.failed = True
                             progress.advance(task, len(conv.turns) - index)
                             break
-                        if count_tokens is not None:
-                            record.answer_text_tokens = count_tokens(answer)
                         messages.append({"role": "assistant", "content": answer})
                         session.turns_completed += 1
                         progress.advance(task)

@@ -84,13 +84,13 @@ def resend_answers(workload: Workload, ratio: float | None) -> Workload:
     sessions = []
     for session in workload.sessions:
         turns: list[TurnDemand] = []
-        lost = 0
+        answered = 0  # tokens generated before the turn; they come back as round(ratio x answered), not each alone
         for before, turn in zip([None, *session.turns], session.turns):
-            prompt = max(turn.prompt_tokens - lost, 1)
+            prompt = max(turn.prompt_tokens - (answered - round(ratio * answered)), 1)
             continued = before is not None and turn.shared_tokens == before.prompt_tokens + before.output_tokens
             shared = turns[-1].prompt_tokens + before.output_tokens if continued else min(turn.shared_tokens, prompt)
             turns.append(replace(turn, prompt_tokens=prompt, shared_tokens=shared))
-            lost += turn.output_tokens - round(ratio * turn.output_tokens)
+            answered += turn.output_tokens
         sessions.append(replace(session, turns=turns))
     return replace(workload, sessions=sessions, answers_as_generated=False)
 
