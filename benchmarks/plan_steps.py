@@ -12,11 +12,15 @@ the README's accuracy section quotes, from the runs plan_accuracy keeps (OUT/cal
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from kvturn.plan import step_samples
-from kvturn.plan.calibration import Calibration, load_many
-from kvturn.plan.rows import rows_of
+sys.path.insert(0, str(Path(__file__).parent))
+import plan_accuracy  # noqa: E402  (a sibling script: the same OUT layout)
+
+from kvturn.plan import step_samples  # noqa: E402
+from kvturn.plan.calibration import Calibration, load_many  # noqa: E402
+from kvturn.plan.rows import rows_of  # noqa: E402
 
 GAP_MS = 2.0
 
@@ -53,9 +57,10 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="a plan_accuracy OUT folder with measured runs")
     parser.add_argument("--calibration", type=Path, help="the OUT folder whose calibration runs to pool (default: out)")
     args = parser.parse_args()
-    calibration_runs = runs(args.calibration or args.out, "calibration/run-*/results.json")
+    folder = plan_accuracy.CALIBRATION_FOLDER
+    calibration_runs = runs(args.calibration or args.out, f"{folder}/run-*/results.json")
     if not calibration_runs:
-        raise SystemExit(f"no calibration runs in {(args.calibration or args.out) / 'calibration'}")
+        raise SystemExit(f"no calibration runs in {(args.calibration or args.out) / folder}")
     calibration_dir = args.calibration or args.out
     cost_model = load_many([calibration_dir / run / "results.json" for run, _ in calibration_runs])
     measured = runs(args.out, "measured-*/*/run-*/results.json")
