@@ -500,6 +500,11 @@ def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_mo
     instant = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET,
                                                          serving(running_workers((10, 0), read_s=(0.0, 0.05)))))
     assert instant.read_ms_per_mib == {"d_to_p": 0.0, "p_to_d": 0.0}
+    # Of P's 20 ms reading 10 MiB, 15 ms were its own steps for other prompts before it saw the reads done.
+    stepped = running_workers()
+    stepped[P_URL]["/kv/calibration"]["kv_reads"]["step_seconds"] = 0.015
+    read_alone = calibration.Calibration(**endpoints.fitted([P_URL, D_URL], SECRET, serving(stepped)))
+    assert read_alone.read_ms_per_mib == pytest.approx({"d_to_p": 0.5, "p_to_d": 10.0})
     assert calibration.load(instant.save(tmp_path / "instant.json")).read_ms_per_mib == instant.read_ms_per_mib
 
 
@@ -524,6 +529,10 @@ def _set(path: tuple, value):
      [P_URL, D_URL], SECRET, "says no KV bytes per token"),
     (_set((D_URL, "/kv/calibration", "kv_reads", "bytes"), -1), [P_URL, D_URL], SECRET, "whole bytes and seconds"),
     (_set((D_URL, "/kv/calibration", "kv_reads", "seconds"), "fast"), [P_URL, D_URL], SECRET, "whole bytes"),
+    (_set((P_URL, "/kv/calibration", "kv_reads", "step_seconds"), 0.5), [P_URL, D_URL], SECRET,
+     "step_seconds must be a number from 0 to its seconds"),
+    (_set((P_URL, "/kv/calibration", "kv_reads", "step_seconds"), float("nan")), [P_URL, D_URL], SECRET,
+     "step_seconds must"),
     (_set((D_URL, "/kv/calibration", "kv_bytes_per_token"), 8192.0), [P_URL, D_URL], SECRET, "not one model"),
     (_set((P_URL, "/kv/steps", "role"), "decode"), [P_URL, D_URL], SECRET, "answered no steps of its prefill"),
     (_set((D_URL, "/kv/steps", "steps"), JUNK_STEPS), [P_URL, D_URL], SECRET, "the decode workers 0 decode steps"),

@@ -49,6 +49,7 @@ class RetainSpec:
 class ConnectorStats:
     kv_reads: int = 0
     kv_read_seconds: float = 0.0
+    kv_read_step_seconds: float = 0.0  # of kv_read_seconds, the engine's steps that ran before a read was seen done
     kv_read_bytes: int = 0
     reuse_declines: Counter = field(default_factory=Counter)
 
@@ -193,12 +194,14 @@ class KVConnector:
         seq.block_hashes = seq.block_hashes[:first] + seq.remote.block_hashes[first:full]
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
+        steps = min(self.engine.step_seconds - load.steps_before, elapsed)
         seq.timing.kv_read_s += elapsed
-        seq.timing.kv_read_step_s += min(self.engine.step_seconds - load.steps_before, elapsed)
+        seq.timing.kv_read_step_s += steps
         seq.timing.kv_read_bytes += nbytes
         seq.reuse_outcome = policy.REUSED
         self.stats.kv_reads += 1
         self.stats.kv_read_seconds += elapsed
+        self.stats.kv_read_step_seconds += steps
         self.stats.kv_read_bytes += nbytes
         self.engine.finish_loading(seq)
         if decision.whole_prompt:

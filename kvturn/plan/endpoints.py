@@ -75,6 +75,13 @@ def fetch(client: httpx.Client, url: str, secret: str | None) -> WorkerReply:
     read_bytes, read_seconds = reads.get("bytes"), reads.get("seconds")
     if type(read_bytes) is not int or not 0 <= read_bytes < 2**63 or not number_within(read_seconds, 0.0, 1e9):
         raise CalibrationError(f"{url}: /kv/calibration's kv_reads must have whole bytes and seconds, none negative")
+    # Of the reads' time, the worker's own steps that ran before it saw them done (a read is seen between steps):
+    # the read itself is the rest, as the bench's fit takes reads no step overlapped (absent from older workers)
+    step_seconds = reads.get("step_seconds", 0.0)
+    if not number_within(step_seconds, 0.0, read_seconds):
+        raise CalibrationError(f"{url}: /kv/calibration's kv_reads step_seconds must be a number from 0 to its "
+                               "seconds")
+    read_seconds -= step_seconds
     headers = {SECRET_HEADER: secret} if secret else {}
     served = _get(client, url, "/kv/steps", params={"since": 0}, headers=headers)
     raw = served.get("steps")

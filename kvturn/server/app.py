@@ -169,7 +169,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         stats = worker.connector.stats if worker.connector else ConnectorStats()  # a colocated worker reads none
         return {"role": config.role, "prefill_steps": worker.calibration,
                 "kv_bytes_per_token": layout.block_bytes / layout.block_size,
-                "kv_reads": {"reads": stats.kv_reads, "bytes": stats.kv_read_bytes, "seconds": stats.kv_read_seconds}}
+                "kv_reads": {"reads": stats.kv_reads, "bytes": stats.kv_read_bytes, "seconds": stats.kv_read_seconds,
+                             "step_seconds": stats.kv_read_step_seconds}}
 
     @app.get("/kv/steps")
     async def steps(request: Request):

@@ -27,6 +27,8 @@ class EngineCollector:
             "kvturn_generation_tokens": ("Tokens generated", stats.generation_tokens),
             "kvturn_kv_read_bytes": ("Bytes of KV read from peers", kv_stats.kv_read_bytes),
             "kvturn_kv_read_seconds": ("Seconds spent reading KV from peers", kv_stats.kv_read_seconds),
+            "kvturn_kv_read_step_seconds": ("Of the seconds reading KV, this worker's steps that ran before a read "
+                                            "was seen done", kv_stats.kv_read_step_seconds),
             "kvturn_kv_reads": ("KV reads from peers completed", kv_stats.kv_reads),
             "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
         }
