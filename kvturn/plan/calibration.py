@@ -253,6 +253,7 @@ def _factor(v) -> bool:
 
 
 KINDS = ", ".join(WORKER_KINDS)
+PER_LEG = (_mapping(None, _within(0.0, MAX_OTHER_MS)), f"map legs to numbers from 0 to {MAX_OTHER_MS:g}")
 READ_DIRECTIONS = tuple(endpoints.READ_DIRECTION.values())
 # Every field of a saved calibration: what its value must be, and that in words for the error that refuses it
 SAVED_FIELDS = {
@@ -266,7 +267,7 @@ SAVED_FIELDS = {
                         f"map {' and '.join(READ_DIRECTIONS)} to numbers from 0 to {MAX_COEFFICIENT:g}"),
     "kv_bytes_per_token": (_within(1.0, endpoints.MAX_BYTES_PER_TOKEN),
                            f"be a number from 1 to {endpoints.MAX_BYTES_PER_TOKEN:g}"),
-    "other_ms": (_mapping(None, _within(0.0, MAX_OTHER_MS)), f"map legs to numbers from 0 to {MAX_OTHER_MS:g}"),
+    "other_ms": PER_LEG,
     "decode_fit_alone": (_boolean, "be true or false"),
     "colocated_step_fit": (_numbers((3,), optional=True),
                            f"be 3 numbers (a, b, k) from 0 to {MAX_COEFFICIENT:g}, or null"),
@@ -278,8 +279,7 @@ SAVED_FIELDS = {
                               and all(map(_factor, q))),
                      f"map kinds of worker ({KINDS}) to lists of 1 to {MAX_SCATTER_QUANTILES} factors within "
                      f"(0, {MAX_SCATTER:g}]"),
-    "other_ms_per_request": (_mapping(None, _within(0.0, MAX_OTHER_MS)),
-                             f"map legs to numbers from 0 to {MAX_OTHER_MS:g}"),
+    "other_ms_per_request": PER_LEG,
     "other_load_seen": (_within(0.0, MAX_OTHER_MS), f"be a number from 0 to {MAX_OTHER_MS:g}"),
     "seen": (_mapping(SEEN_SHAPES, _within(1.0, MAX_SEEN)),
              f"map shapes ({', '.join(SEEN_SHAPES)}) to numbers from 1 to {MAX_SEEN:g}"),
@@ -312,9 +312,10 @@ def load(path: Path) -> Calibration:
     data = _read_object(path, "a kvturn bench results JSON or a saved calibration")
     if data.get("kind") != KIND:
         try:
-            return Calibration(**checked(fitted(data, source=Path(path).name), str(path)))
+            fields = fitted(data, source=Path(path).name)
         except CalibrationError as exc:
-            raise CalibrationError(exc if str(exc).startswith(f"{path}: ") else f"{path}: {exc}") from None
+            raise CalibrationError(f"{path}: {exc}") from None
+        return Calibration(**checked(fields, str(path)))
     # A ratio saved for steps after idling (before they were found to cost fixed ms) is not carried over.
     fields = checked({k: v for k, v in data.items() if k not in ("kind", "idle_step_ratio")}, str(path))
     try:

@@ -431,7 +431,8 @@ def resent_answer_ratio(rows: list[Row]) -> float | None:
     """What the answers' text came to, in tokens, over the tokens generated, of every answer the bench counted
     (RequestRecord.answer_text_tokens); None where it counted none. A model's answer is resent next turn as text,
     and its tokenizer need not make as many tokens of it again: on the embedded random-weight model about two
-    thirds (2026-12-03: 0.64, each answer coming back whole or as half its tokens); a trained model's, about 1."""
+    thirds (0.66 in 2026-12-04's calibration runs, most answers coming back whole or as about half their tokens);
+    a trained model's, about 1."""
     counted = [(row.answer_text_tokens, row.output_tokens) for row in rows if row.answer_text_tokens is not None]
     generated = sum(output for _, output in counted)
     if not generated:

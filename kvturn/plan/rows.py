@@ -2,8 +2,7 @@
 time split, and when each phase (waiting, prefill, decode) ran."""
 from dataclasses import dataclass
 
-MAX_ANSWER_TEXT_TOKENS = 2**24
-MAX_TOKENS = 2**24  # of a prompt
+MAX_TOKENS = 2**24  # of a prompt, or of an answer's text
 MAX_BYTES = 2**50  # read by one request
 
 
@@ -80,8 +79,7 @@ def _row(leg: str, r: dict) -> Row | None:
                r["prompt_tokens_from_decode"] if _tokens(r.get("prompt_tokens_from_decode"), 0, prompt) else 0,
                r.get("first_token_from") == "prefill", _ms(r.get("d_to_p_read_step_ms")), queue,
                max(decode_wait, 0.0), decode_computed if _tokens(decode_computed, 1, prompt) else None,
-               r.get("answer_text_tokens") if counted and _tokens(r.get("answer_text_tokens"), 0,
-                                                                   MAX_ANSWER_TEXT_TOKENS) else None)
+               r.get("answer_text_tokens") if counted and _tokens(r.get("answer_text_tokens"), 0) else None)
 
 
 def _steps_wait(own_wait_ms: float, engine_wait_ms, read_ms: float) -> float:

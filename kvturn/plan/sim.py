@@ -266,7 +266,7 @@ class Simulation:
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
         shareable = reusable(previous, turn, self.calibration.answer_share)
-        flight = Flight(state, turn, result, self._blocks(min(shareable, turn.prompt_tokens - 1)))
+        flight = Flight(state, turn, result, self._blocks(shareable))
         if arrival_s <= self.now:
             self._arrive(flight)
         else:

@@ -67,9 +67,10 @@ def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float)
     of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
     Calibration.answer_share), and never its last token. A prompt that does not continue the previous prompt and
     answer keeps its own."""
-    if previous is None or turn.shared_tokens != previous.prompt_tokens + previous.output_tokens:
-        return min(turn.shared_tokens, turn.prompt_tokens - 1)
-    return min(previous.prompt_tokens + int(answer_share * previous.output_tokens), turn.prompt_tokens - 1)
+    shareable = turn.shared_tokens
+    if previous is not None and turn.shared_tokens == previous.prompt_tokens + previous.output_tokens:
+        shareable = previous.prompt_tokens + int(answer_share * previous.output_tokens)
+    return min(shareable, turn.prompt_tokens - 1)
 
 
 def resend_answers(workload: Workload, ratio: float | None) -> Workload:
