@@ -1056,6 +1056,13 @@ def test_the_share_of_an_answer_the_next_turn_reuses_is_fitted_to_where_reuse_en
     assert fit.answer_reuse_share([rows(0.0)[0::2], rows(0.0)[1::2]]) is None
     assert fit.answer_reuse_share([rows(1.0, edited="shorter")]) is None
     assert fit.answer_reuse_share([rows(1.0, edited="within")]) is None
+    # An answer whose text came back as 12 of its 40 tokens, with a 5-token user message: the next prompt is shorter
+    # than the previous prompt and answer as generated, yet extends the history as resent, and counts
+    # (173 tokens fewer, all of them after where reuse ended: P computed that many fewer).
+    short = [replace(r, answer_text_tokens=12) if r.turn == 0 else
+             replace(r, input_tokens=r.input_tokens - 173, computed=r.computed - 173) for r in rows(0.0)]
+    assert fit.answer_reuse_share([short]) == 0.0
+    assert fit.answer_reuse_share([[replace(r, answer_text_tokens=None) for r in short]]) is None  # not counted
 
 
 @pytest.mark.parametrize("share", [0.0, 1.0])

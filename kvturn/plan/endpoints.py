@@ -15,7 +15,7 @@ import httpx
 
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.plan import step_samples
-from kvturn.plan.fit import MIN_FIT_SAMPLES, CalibrationError, step_fits
+from kvturn.plan.fit import MIN_FIT_SAMPLES, CalibrationError, read_rates, step_fits
 from kvturn.plan.rows import number_within
 
 TIMEOUT_S = 30.0
@@ -135,8 +135,6 @@ def fitted(urls: list[str], secret: str | None, client: httpx.Client | None = No
         decodes = sum(1 for r in replies if r.role == "decode" for s in r.steps if not s.prompts and s.decodes)
         raise CalibrationError(f"too few steps in service to fit: the prefill workers kept {prompts} prompt steps, "
                                f"the decode workers {decodes} decode steps (need {MIN_FIT_SAMPLES} of each)")
-    # a direction no worker read in takes the other's rate (a rate of 0 ms is a reading, not a missing one)
-    rates = {"d_to_p": d_to_p if d_to_p is not None else p_to_d, "p_to_d": p_to_d if p_to_d is not None else d_to_p}
-    return {**fits, "read_ms_per_mib": rates,
+    return {**fits, "read_ms_per_mib": read_rates(d_to_p, p_to_d),
             "kv_bytes_per_token": sizes.pop(), "other_ms": {}, "other_ms_per_request": {}, "other_load_seen": 0.0,
             "source": ", ".join(r.url for r in replies), "samples": {"workers": len(replies), **fits["samples"]}}

@@ -353,6 +353,12 @@ def _read_rate(pairs: list[tuple[float, int]]) -> float | None:
     return sum(ms for ms, _ in pairs) / mib if mib > 0 else None
 
 
+def read_rates(d_to_p: float | None, p_to_d: float | None) -> dict[str, float | None]:
+    """Both directions' KV read rates in ms per MiB, for a calibration: a direction nobody read in takes the other's
+    rate (a rate of 0 ms is a reading, not a missing one)."""
+    return {"d_to_p": d_to_p if d_to_p is not None else p_to_d, "p_to_d": p_to_d if p_to_d is not None else d_to_p}
+
+
 def fitted(results: dict | list[dict], source: str = "") -> dict:
     """The fields of a Calibration fitted to a bench results JSON, or to several pooled (runs of the same
     hardware at different times: one run's speed drifts with whatever else the machine does). Each run's legs keep
@@ -384,7 +390,7 @@ def fitted(results: dict | list[dict], source: str = "") -> dict:
     other = {leg: fit_other(samples) for leg, samples in other_samples(by_leg).items()}
     return {**fits, "answer_reuse_share": answer_reuse_share(run_rows_of),
             "resent_answer_ratio": resent_answer_ratio(rows),
-            "read_ms_per_mib": {"d_to_p": d_to_p or 0.0, "p_to_d": p_to_d if p_to_d is not None else d_to_p or 0.0},
+            "read_ms_per_mib": read_rates(d_to_p, p_to_d),
             "kv_bytes_per_token": float(np.median(per_token)), "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0)), "source": source,
@@ -410,7 +416,7 @@ def answer_reuse_share(runs: list[list[Row]]) -> float | None:
         for row in rows:
             before = previous.get((row.leg, row.conversation_id, row.turn - 1))
             if row.tokens_from_decode <= 0 or before is None or \
-                    row.input_tokens < before.input_tokens + before.output_tokens:  # an edit resending less
+                    row.input_tokens < before.input_tokens + resent_length(before):  # an edit resending less
                 continue
             reused = row.input_tokens - row.computed if row.computed is not None else row.tokens_from_decode
             # An edit within the history ends reuse before the previous prompt's own blocks: no share explains it.
@@ -425,6 +431,12 @@ def answer_reuse_share(runs: list[list[Row]]) -> float | None:
     errors = [error(share) for share in ANSWER_SHARES]
     best = [share for share, e in zip(ANSWER_SHARES, errors) if e == min(errors)]
     return best[(len(best) - 1) // 2]
+
+
+def resent_length(row: Row) -> int:
+    """The tokens `row`'s answer came back as next turn: its text's count where the bench made one, else as many as
+    were generated."""
+    return row.answer_text_tokens if row.answer_text_tokens is not None else row.output_tokens
 
 
 def resent_answer_ratio(rows: list[Row]) -> float | None:
