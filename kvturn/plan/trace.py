@@ -62,13 +62,18 @@ def continues(previous: TurnDemand, prompt_tokens: int) -> int:
     return history if prompt_tokens >= history else 0
 
 
+def shares_history(previous: TurnDemand | None, turn: TurnDemand) -> bool:
+    """Whether `turn` shares all of the previous turn's prompt and answer (as `continues` found it extend them)."""
+    return previous is not None and turn.shared_tokens == previous.prompt_tokens + previous.output_tokens
+
+
 def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
     """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
     of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
     Calibration.answer_share), and never its last token. A prompt that does not continue the previous prompt and
     answer keeps its own."""
     shareable = turn.shared_tokens
-    if previous is not None and turn.shared_tokens == previous.prompt_tokens + previous.output_tokens:
+    if shares_history(previous, turn):
         shareable = previous.prompt_tokens + int(answer_share * previous.output_tokens)
     return min(shareable, turn.prompt_tokens - 1)
 
@@ -88,8 +93,8 @@ def resend_answers(workload: Workload, ratio: float | None) -> Workload:
         answered = 0  # tokens generated before the turn; they come back as round(ratio x answered), not each alone
         for before, turn in zip([None, *session.turns], session.turns):
             prompt = max(turn.prompt_tokens - (answered - round(ratio * answered)), 1)
-            continued = before is not None and turn.shared_tokens == before.prompt_tokens + before.output_tokens
-            shared = turns[-1].prompt_tokens + before.output_tokens if continued else min(turn.shared_tokens, prompt)
+            shared = turns[-1].prompt_tokens + before.output_tokens if shares_history(before, turn) else \
+                min(turn.shared_tokens, prompt)
             turns.append(replace(turn, prompt_tokens=prompt, shared_tokens=shared))
             answered += turn.output_tokens
         sessions.append(replace(session, turns=turns))
