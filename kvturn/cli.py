@@ -254,7 +254,10 @@ def bench(
     source = workload.TextSource(tokenizer)
     spec = comparison.SCENARIOS[scenario]
     if workload_file:
-        conversations = workload.load_file(workload_file, tokenizer, seed)
+        try:
+            conversations = workload.load_file(workload_file, tokenizer, seed)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     else:
         conversations = comparison.build_workload(scenario, source, seed, max_prompt_tokens, turns)
     for conv in conversations:
@@ -355,6 +358,7 @@ def plan(
     deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by a short
     kvturn bench run on your hardware (or several, pooled)."""
     import sys
+    from dataclasses import replace
 
     from rich.console import Console
 
@@ -374,8 +378,18 @@ def plan(
         budget_shares = tuple(float(b) for b in budgets.split(",") if b.strip())
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    if any(t <= 0 for t in ttl_values) or any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
-        raise typer.BadParameter("TTLs and worker counts must be positive, budget shares within (0, 1]")
+    if any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
+        raise typer.BadParameter("worker counts must be positive, budget shares within (0, 1]")
+    if (sessions is not None and sessions < 1) or turns < 1 or max_prompt_tokens < 1:
+        raise typer.BadParameter("--sessions, --turns and --max-prompt-tokens must be at least 1")
+    # The deployment's settings as the workers would take them: a worker refuses what the plan would misplan
+    connector = build(ConnectorConfig, decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
+                      retained_kv_budget_mb=retained_kv_budget_mb,
+                      kv_recompute_threshold_tokens=kv_recompute_threshold_tokens)
+    build(EngineConfig, kv_cache_mb=kv_cache_mb)
+    if any(not connector.kv_expiry_margin_s < t < float("inf") for t in [*ttl_values, decoder_kv_blocks_ttl_s]):
+        raise typer.BadParameter(f"--ttls and --decoder-kv-blocks-ttl-s must be finite and above the lease expiry "
+                                 f"margin ({connector.kv_expiry_margin_s:g} s), or no retained KV is ever read")
     try:
         cost_model = calibration.load_many(calibration_files, cluster_secret or None)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
@@ -388,9 +402,13 @@ def plan(
     if save_calibration:
         cost_model.save(save_calibration)
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
-                            decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
-                            retained_kv_budget_mb=retained_kv_budget_mb,
                             kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
+    if scenario:  # the settings the bench runs the scenario with, where the command line left the default
+        deployment = SCENARIOS[scenario].planned(deployment)
+    if decoder_kv_blocks_ttl_s != default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s") or not scenario:
+        deployment = replace(deployment, decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s)
+    # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep
+    deployment = planner.sweep_settings(deployment, deployment.decoder_kv_blocks_ttl_s, retained_kv_budget_mb)
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
                           budget_shares)
     report.print_plan(result, console)

@@ -1,6 +1,7 @@
 """Workload generation and parsing for the multi-turn benchmark."""
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -159,3 +160,24 @@ def test_every_scenario_starts_workers_whose_settings_are_accepted(name):
         names = {flag: flag.removeprefix("--").replace("-", "_") for flag in flags}
         assert set(names.values()) <= set(defaults), f"{name}: only connector settings are checked here"
         ConnectorConfig(**{names[flag]: type(defaults[names[flag]])(value) for flag, value in flags.items()})
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"filetype": "kvturn_synthetic", "num_sessions": 2.5}', "num_sessions must be a whole number"),
+    ('{"filetype": "kvturn_synthetic", "new_tokens": {"distribution": "uniform", "min": 1, "max": NaN}}',
+     "new_tokens: 'max' must be finite numbers"),
+    ('[{"id": 1, "messages": [{"role": "user", "content": ["parts"]}]}]', "each message must be"),
+    ("{not json", "cannot read a JSON workload"),
+])
+def test_the_bench_refuses_a_bad_workload_file_with_a_usage_error(tmp_path, monkeypatch, tiny_model_dir, content,
+                                                                  message):
+    from typer.testing import CliRunner
+
+    from kvturn.cli import app
+    monkeypatch.chdir(tmp_path)  # a short path, which the error's box does not break
+    Path("bad.json").write_text(content)
+    result = CliRunner().invoke(app, ["bench", "--compare", "--workload", "bad.json", "--model", str(tiny_model_dir),
+                                      "--out", "out"])
+    assert result.exit_code == 2, (result.output, result.exception)  # a usage error, before any stack starts
+    said = " ".join(result.output.replace("│", " ").split())
+    assert "bad.json" in said and message in said, result.output

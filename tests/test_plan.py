@@ -67,6 +67,20 @@ def test_a_trace_groups_requests_by_conversation_with_think_time_and_shared_hist
     assert b.turns[1].think_s == 3.0  # no 'finished': the gap between arrivals
 
 
+def test_a_trace_prompt_shorter_than_the_history_shares_the_previous_prompt_or_what_the_line_says(tmp_path):
+    path = write_lines(tmp_path / "t.jsonl", [
+        {"timestamp": 0.0, "conversation_id": "c", "prompt_tokens": 1000, "output_tokens": 200, "shared_tokens": 300},
+        {"timestamp": 1.0, "conversation_id": "c", "prompt_tokens": 1100, "output_tokens": 300},
+        {"timestamp": 2.0, "conversation_id": "c", "prompt_tokens": 1500, "output_tokens": 50, "shared_tokens": 1160},
+        {"timestamp": 3.0, "conversation_id": "c", "prompt_tokens": 3000, "output_tokens": 10, "shared_tokens": 2900},
+    ])
+    turns = trace.load(path, lambda: "unused", 0, 1).sessions[0].turns
+    # A first turn has no previous turn to share with; 1100 < 1000 + 200 (the thinking dropped): the previous
+    # prompt; the line's own count; the line's count, within the previous prompt and answer (1500 + 50).
+    assert [t.shared_tokens for t in turns] == [0, 1000, 1160, 1550]
+    assert trace.reusable(turns[0], turns[1], 1.0) == 1000
+
+
 @pytest.mark.parametrize("line, message", [
     ("not json", "not JSON"),
     ('["a list"]', "expected an object"),
@@ -74,6 +88,13 @@ def test_a_trace_groups_requests_by_conversation_with_think_time_and_shared_hist
     ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": true, "output_tokens": 3}', "'prompt_tokens'"),
     ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 0, "output_tokens": 3}', "at least 1"),
     ('{"timestamp": 5, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "finished": 2}', "finished"),
+    ('{"timestamp": 0, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "finished": true}', "finished"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "shared_tokens": 10}',
+     "shared_tokens"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "shared_tokens": -1}',
+     "shared_tokens"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "shared_tokens": 2.5}',
+     "shared_tokens"),
 ])
 def test_a_malformed_trace_line_is_refused_naming_its_line(tmp_path, line, message):
     good = {"timestamp": 0, "conversation_id": "a", "prompt_tokens": 10, "output_tokens": 2}
@@ -1239,3 +1260,117 @@ def test_the_plan_command_refuses_bad_files_with_a_usage_error(tmp_path):
         result = runner.invoke(app, ["plan", *args])
         assert result.exit_code == 2, result.output
         assert message in " ".join(result.output.split())
+
+
+def said(result) -> str:
+    """A command's output as one line, without the box rich draws around an error."""
+    return " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("nan.jsonl", '{"timestamp": NaN, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3}',
+     "nan.jsonl:1: 'timestamp'"),
+    ("huge.jsonl", '{"timestamp": 1e999, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3}',
+     "huge.jsonl:1: 'timestamp'"),
+    ("long.jsonl", '{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 1000000000000000, "output_tokens": 3}',
+     "at most"),
+    ("binary.jsonl", b"\xff\xfe\x00", "cannot read the trace"),
+    ("strings.json", '[{"messages": ["hi"]}]', "each message must be"),
+    ("empty.json", "[]", "the number of conversations must be"),
+    ("no-user.json", '[{"messages": [{"role": "system", "content": "x"}]}]', "no conversation with a user turn"),
+    ("prompt-input.json", '{"filetype": "generate_conversations", "prompt_input": 5}', "prompt_input and"),
+    ("many.json", '{"filetype": "generate_conversations", "num_conversations": 1e9}', "num_conversations must be"),
+    ("inf.json", '{"filetype": "kvturn_synthetic", "num_turns": Infinity}', "num_turns: expected a finite number"),
+    ("sessions.json", '{"filetype": "kvturn_synthetic", "num_sessions": 1000000000}', "num_sessions must be"),
+    ("turns.json", '{"filetype": "kvturn_synthetic", "num_turns": {"distribution": "lognormal", "mean": 30, '
+                   '"sigma": 1}}', "num_turns: drew"),
+])
+def test_the_plan_command_refuses_a_hostile_workload_file_naming_it(tmp_path, monkeypatch, tiny_model_dir, name,
+                                                                    content, message):
+    monkeypatch.chdir(tmp_path)  # a short path, which the error's box does not break
+    Path(name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    result = CliRunner().invoke(app, ["plan", "--workload", name, "--calibration", str(FIXTURE), "--model",
+                                      str(tiny_model_dir), "--out", "out"])
+    assert result.exit_code == 2, (result.output, result.exception)  # a usage error, not a traceback (1)
+    assert name in said(result) and message in said(result), result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sessions", "-1"], "--sessions, --turns and --max-prompt-tokens must be at least 1"),
+    (["--turns", "0"], "must be at least 1"),
+    (["--kv-cache-mb", "0"], "kv_cache_mb must be positive"),
+    (["--retained-kv-budget-mb", "-5"], "retained_kv_budget_mb must be positive"),
+    (["--decoder-kv-blocks-ttl-s", "nan"], "decoder_kv_blocks_ttl_s must be positive"),
+    (["--decoder-kv-blocks-ttl-s", "3"], "kv_expiry_margin_s must be below decoder_kv_blocks_ttl_s"),
+    (["--decoder-kv-blocks-ttl-s", "inf"], "must be finite and above the lease expiry margin"),
+    (["--ttls", "nan,60"], "must be finite and above the lease expiry margin"),
+    (["--ttls", "2,60"], "must be finite and above the lease expiry margin"),
+    (["--calibration", "http://127.0.0.1:80x", "--calibration", "http://127.0.0.1:81x"], "cannot reach the worker"),
+])
+def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, args, message):
+    calibrated = [] if "--calibration" in args else ["--calibration", str(FIXTURE)]
+    result = CliRunner().invoke(app, ["plan", "--scenario", "sweep", *calibrated, *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message in said(result), result.output
+
+
+def test_a_workload_of_single_turns_plans_to_null_not_nan(cost_model, tmp_path):
+    workload = Workload("single", [Session(f"s{i}", [TurnDemand(2000, 16, 0)]) for i in range(3)], 2)
+    plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0])
+    assert plan["legs"]["pd/P-cache-off"]["later_ttft_p50_ms"] is None
+    assert plan["legs"]["pd/P-cache-off"]["ttft_p50_ms"] > 0
+    assert "no session has a second turn" in plan["verdict"]["text"] and "nan" not in plan["verdict"]["text"]
+    json_path, _ = report.write(plan, tmp_path)
+    json.loads(json_path.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in plan.json"))
+
+
+def test_the_scenario_is_planned_with_the_lease_its_bench_runs_and_the_router_forgets_before_d(cost_model, tmp_path):
+    out = tmp_path / "plan"
+    result = CliRunner().invoke(app, ["plan", "--scenario", "resume-after-ttl", "--calibration", str(FIXTURE),
+                                      "--legs", "bidir/P-cache-off", "--ttls", "60", "--budgets", "", "--out",
+                                      str(out)])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((out / "plan.json").read_text())
+    deployment = plan["deployment"]
+    assert (deployment["decoder_kv_blocks_ttl_s"], deployment["kv_expiry_margin_s"]) == (4.0, 1.0)
+    assert deployment["conversation_ttl_s"] == 4.0 * planner.ROUTER_TTL_SHARE
+    # The 6 s between turns outlast the 4 s lease: no turn reuses, as the bench's scenario shows.
+    assert plan["legs"]["bidir/P-cache-off"]["reuse_share"] == 0.0
+
+
+def test_a_retention_budget_is_each_decode_workers_and_the_sweep_shares_one_workers_peak(cost_model):
+    workload = agent_sessions(12, 4, think_s=2.0, clients=None)
+    two = Deployment(num_decode=2, num_prefill=2)
+    free = simulate(workload, LEGS["bidir/P-cache-off"], two, cost_model)
+    assert free.peak_retained_mib / 2 <= free.peak_retained_mib_per_decode < free.peak_retained_mib
+    budget = max(int(free.peak_retained_mib_per_decode * 0.75), 1)
+    capped = simulate(workload, LEGS["bidir/P-cache-off"], replace(two, retained_kv_budget_mb=budget), cost_model)
+    assert capped.peak_retained_mib_per_decode <= budget < capped.peak_retained_mib
+    points = planner.sweep(workload, "bidir/P-cache-off", two, cost_model, [480.0], (0.5,), free)
+    assert {p.budget_mib for p in points} == {None, int(free.peak_retained_mib_per_decode * 0.5)}
+
+
+def test_a_lease_past_its_ttl_leaves_the_peak_whichever_worker_retains_next(cost_model):
+    def session(name: str, prompt: int, start_s: float) -> Session:
+        return Session(name, [TurnDemand(prompt, 16, 0)], start_s)
+    deployment = Deployment(num_decode=2, num_prefill=2, decoder_kv_blocks_ttl_s=10.0)
+    # a and b run at once, on a decode worker each; c comes when both leases ended, and retains on one of them
+    late = Workload("late", [session("a", 200, 0.0), session("b", 200, 0.0), session("c", 3000, 30.0)])
+    alone = Workload("alone", [session("c", 3000, 0.0)])
+    leg = LEGS["bidir/P-cache-off"]
+    assert simulate(late, leg, deployment, cost_model).peak_retained_mib == \
+        simulate(alone, leg, deployment, cost_model).peak_retained_mib
+
+
+def test_the_router_writes_no_trace_line_the_planner_would_refuse(tmp_path):
+    from types import SimpleNamespace
+    from kvturn.router.trace_out import TraceOut
+    path = tmp_path / "trace.jsonl"
+    out = TraceOut(str(path))
+    turn = SimpleNamespace(key="public:abc", started=0.0)
+    out.record(turn, {"completion_tokens": 4})  # a report without its prompt's counts
+    out.record(turn, {"completion_tokens": 4, "prompt_tokens_computed": 30, "prompt_tokens_remote": 96})
+    out.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["prompt_tokens"] == 126
+    assert trace.load(path, lambda: "unused", 0, 1).sessions[0].turns[0].prompt_tokens == 126

@@ -12,15 +12,24 @@ import math
 import numpy as np
 
 
+def _real(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
 class Distribution:
-    def __init__(self, spec, name: str = "value"):
-        if isinstance(spec, (int, float)):
+    def __init__(self, spec, name: str = "value", most: float = math.inf):
+        """`most`: the largest value a draw may take; a larger one is refused (ValueError), not clipped."""
+        if _real(spec):
             spec = {"distribution": "constant", "value": spec}
         if not isinstance(spec, dict) or "distribution" not in spec:
-            raise ValueError(f"{name}: expected a number or {{'distribution': ...}}, got {spec!r}")
+            raise ValueError(f"{name}: expected a finite number or {{'distribution': ...}}, got {spec!r:.80}")
+        bad = [k for k, v in spec.items() if k != "distribution" and not _real(v)]
+        if bad:
+            raise ValueError(f"{name}: {', '.join(map(repr, bad))} must be finite numbers")
         self.kind = spec["distribution"]
         self.spec = spec
         self.name = name
+        self.most = most
         self.max = spec.get("max")
         if self.kind == "constant":
             self._check("value")
@@ -31,8 +40,8 @@ class Distribution:
         elif self.kind == "lognormal":
             if "average" in spec:
                 ratio = spec.get("median_ratio", 0.85)
-                if not 0 < ratio <= 1:
-                    raise ValueError(f"{name}: median_ratio must lie in (0, 1]")
+                if not 0 < ratio <= 1 or spec["average"] <= 0:
+                    raise ValueError(f"{name}: median_ratio must lie in (0, 1] and average above 0")
                 # median = average * ratio; for a lognormal, mean/median = exp(sigma^2 / 2)
                 self.mu = math.log(spec["average"] * ratio)
                 self.sigma = math.sqrt(2 * math.log(1 / ratio))
@@ -65,7 +74,10 @@ class Distribution:
             value = rng.poisson(s["alpha"])
         if self.max is not None:
             value = min(value, self.max)
-        return max(value, minimum)
+        value = max(value, minimum)
+        if not value <= self.most:  # an overflowed lognormal's inf too
+            raise ValueError(f"{self.name}: drew {value:g}, more than the {self.most:g} allowed")
+        return value
 
     def sample_int(self, rng: np.random.Generator, minimum: int = 0) -> int:
         return int(round(self.sample(rng, minimum)))

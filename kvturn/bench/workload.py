@@ -13,6 +13,11 @@ import numpy as np
 
 from kvturn.bench.distributions import Distribution
 
+# Bounds of a workload file, so that a wrong number is refused rather than replayed for days or out of memory
+MAX_SESSIONS = 100_000
+MAX_TURNS = 10_000  # of one session
+MAX_TEXT_TOKENS = 1 << 20  # of one system prompt, user turn or answer
+MAX_GAP_S = 7 * 86_400
 CORPUS_MODULES = ["argparse", "typing", "inspect", "dataclasses", "subprocess", "threading", "pathlib", "textwrap"]
 
 
@@ -70,8 +75,11 @@ class SyntheticSpec:
 
 def synthetic(spec: SyntheticSpec, source: TextSource, seed: int, id_prefix: str = "session") -> list[Conversation]:
     rng = np.random.default_rng(seed)
-    system, turns, new, answer, gap = (Distribution(getattr(spec, f), f) for f in
-                                       ("system_tokens", "num_turns", "new_tokens", "answer_tokens", "gap_s"))
+    system, turns, new, answer, gap = (Distribution(getattr(spec, f), f, most) for f, most in
+                                       (("system_tokens", MAX_TEXT_TOKENS), ("num_turns", MAX_TURNS),
+                                        ("new_tokens", MAX_TEXT_TOKENS), ("answer_tokens", MAX_TEXT_TOKENS),
+                                        ("gap_s", MAX_GAP_S)))
+    _check_count(spec.num_sessions, "num_sessions", MAX_SESSIONS)
     conversations = []
     for i in range(spec.num_sessions):
         conv = Conversation(f"{id_prefix}-{seed}-{i}", source.text(rng, system.sample_int(rng, 1)))
@@ -82,14 +90,22 @@ def synthetic(spec: SyntheticSpec, source: TextSource, seed: int, id_prefix: str
     return conversations
 
 
+def _check_count(value, name: str, most: int) -> None:
+    if type(value) is not int or not 1 <= value <= most:
+        raise ValueError(f"{name} must be a whole number from 1 to {most}, got {value!r:.40}")
+
+
 def from_vllm_conversations(items: list, tokenizer) -> list[Conversation]:
     """vLLM's JSON list of {"id", "messages": [{"role", "content"}, ...]}; answer lengths come from the
     assistant messages, whose text is replaced by the model's real answers."""
+    _check_count(len(items), "the number of conversations", MAX_SESSIONS)
     conversations = []
     for n, item in enumerate(items):
         if not isinstance(item, dict) or not isinstance(item.get("messages"), list):
             raise ValueError(f"conversation {n}: expected {{'id', 'messages': [...]}}")
         messages = item["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages):
+            raise ValueError(f"conversation {n}: each message must be {{'role', 'content': text}}")
         system = ""
         if messages and messages[0].get("role") == "system":
             system, messages = messages[0].get("content", ""), messages[1:]
@@ -109,17 +125,25 @@ def from_vllm_generate_config(config: dict, tokenizer, seed: int, base_dir: Path
     """vLLM's {"filetype": "generate_conversations", ...} config. Its num_turns counts messages (user +
     assistant), as in vLLM, so N turns make ceil(N / 2) user turns."""
     rng = np.random.default_rng(seed)
-    files = [base_dir / f for f in config.get("text_files", [])]
-    source = TextSource(tokenizer, [f for f in files if f.exists()] or None)
     prompt_in, prompt_out = config.get("prompt_input", {}), config.get("prompt_output", {})
-    num_turns = Distribution(prompt_in.get("num_turns", 10), "prompt_input.num_turns")
-    common = Distribution(prompt_in.get("common_prefix_num_tokens", 0), "prompt_input.common_prefix_num_tokens")
-    prefix = Distribution(prompt_in.get("prefix_num_tokens", 0), "prompt_input.prefix_num_tokens")
-    new = Distribution(prompt_in.get("num_tokens", 100), "prompt_input.num_tokens")
-    answer = Distribution(prompt_out.get("num_tokens", 100), "prompt_output.num_tokens")
+    text_files = config.get("text_files", [])
+    if not isinstance(prompt_in, dict) or not isinstance(prompt_out, dict):
+        raise ValueError("prompt_input and prompt_output must be objects")
+    if not isinstance(text_files, list) or not all(isinstance(f, str) for f in text_files):
+        raise ValueError("text_files must be a list of file names")
+    num_conversations = config.get("num_conversations", 1)
+    _check_count(num_conversations, "num_conversations", MAX_SESSIONS)
+    num_turns = Distribution(prompt_in.get("num_turns", 10), "prompt_input.num_turns", 2 * MAX_TURNS)
+    common = Distribution(prompt_in.get("common_prefix_num_tokens", 0), "prompt_input.common_prefix_num_tokens",
+                          MAX_TEXT_TOKENS)
+    prefix = Distribution(prompt_in.get("prefix_num_tokens", 0), "prompt_input.prefix_num_tokens", MAX_TEXT_TOKENS)
+    new = Distribution(prompt_in.get("num_tokens", 100), "prompt_input.num_tokens", MAX_TEXT_TOKENS)
+    answer = Distribution(prompt_out.get("num_tokens", 100), "prompt_output.num_tokens", MAX_TEXT_TOKENS)
+    files = [base_dir / f for f in text_files]
+    source = TextSource(tokenizer, [f for f in files if f.is_file()] or None)
     common_text = source.text(rng, common.sample_int(rng))
     conversations = []
-    for i in range(int(config.get("num_conversations", 1))):
+    for i in range(num_conversations):
         system = (common_text + " " + source.text(rng, prefix.sample_int(rng))).strip()
         conv = Conversation(f"CONV_ID_{i}", system)
         for _ in range((num_turns.sample_int(rng, 2) + 1) // 2):
@@ -129,14 +153,21 @@ def from_vllm_generate_config(config: dict, tokenizer, seed: int, base_dir: Path
 
 
 def load_file(path: Path, tokenizer, seed: int) -> list[Conversation]:
-    data = json.loads(Path(path).read_text())
-    if isinstance(data, list):
-        return from_vllm_conversations(data, tokenizer)
-    if isinstance(data, dict) and data.get("filetype") == "generate_conversations":
-        return from_vllm_generate_config(data, tokenizer, seed, Path(path).parent)
-    if isinstance(data, dict) and data.get("filetype") == "kvturn_synthetic":
-        fields = {k: v for k, v in data.items() if k in SyntheticSpec.__slots__}
-        return synthetic(SyntheticSpec(**fields), TextSource(tokenizer), seed)
+    """A workload file's conversations; ValueError, naming the file, for one that cannot be read or replayed."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read a JSON workload ({exc})") from None
+    try:
+        if isinstance(data, list):
+            return from_vllm_conversations(data, tokenizer)
+        if isinstance(data, dict) and data.get("filetype") == "generate_conversations":
+            return from_vllm_generate_config(data, tokenizer, seed, Path(path).parent)
+        if isinstance(data, dict) and data.get("filetype") == "kvturn_synthetic":
+            fields = {k: v for k, v in data.items() if k in SyntheticSpec.__slots__}
+            return synthetic(SyntheticSpec(**fields), TextSource(tokenizer), seed)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     raise ValueError(f"{path}: expected a list of conversations, a generate_conversations config or a "
                      f"kvturn_synthetic config")
 

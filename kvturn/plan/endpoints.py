@@ -52,7 +52,7 @@ def _get(client: httpx.Client, url: str, path: str, **request) -> dict:
                 body += chunk
                 if len(body) > MAX_REPLY_BYTES:
                     raise CalibrationError(f"{url}: GET {path} answered more than {MAX_REPLY_BYTES:,} bytes")
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # InvalidURL is no HTTPError
         raise CalibrationError(f"{url}: cannot reach the worker ({type(exc).__name__}: {exc})") from None
     try:
         reply = json.loads(body)

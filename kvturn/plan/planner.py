@@ -1,6 +1,7 @@
 """`kvturn plan`: simulate every leg on the workload, sweep the candidate's TTL and retention budget, and turn the
 numbers into a verdict: does bidirectional transfer pay on this workload, from what history length, and what it
 holds in memory."""
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -153,13 +154,14 @@ def sweep_settings(deployment: Deployment, ttl: float, budget_mb: int | None) ->
 
 def sweep(workload: Workload, leg: str, deployment: Deployment, calibration: Calibration, ttls: list[float],
           budget_shares: tuple, reference: LegPrediction) -> list[SweepPoint]:
-    """The leg at each TTL with the deployment's own budget and with each share of `reference`'s peak as the
-    budget; the deployment's own point is `reference` itself."""
+    """The leg at each TTL with the deployment's own budget and with each share of `reference`'s peak on one decode
+    worker as the budget (each decode worker's, as `retained_kv_budget_mb` is); the deployment's own point is
+    `reference` itself."""
     runs = {}
     for ttl in ttls:
         budgets = [deployment.retained_kv_budget_mb]
-        if reference.peak_retained_mib > 0:
-            budgets += [max(int(reference.peak_retained_mib * share), 1) for share in budget_shares]
+        if reference.peak_retained_mib_per_decode > 0:
+            budgets += [max(int(reference.peak_retained_mib_per_decode * share), 1) for share in budget_shares]
         for budget in budgets:
             runs[(ttl, budget)] = sweep_settings(deployment, ttl, budget)
     own = (deployment.decoder_kv_blocks_ttl_s, deployment.retained_kv_budget_mb)
@@ -194,12 +196,20 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
         break_even = max(break_even, deployment.kv_recompute_threshold_tokens)
     ttl = deployment.decoder_kv_blocks_ttl_s
     gib = cand.peak_retained_mib / 1024
-    words = [f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns), "
-             f"{candidate} against {baseline} {'cuts' if cand.later_ttft_p50_ms < base.later_ttft_p50_ms else 'moves'} "
-             f"later-turn TTFT p50 from {base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms "
-             f"(all turns: {base.ttft_p50_ms:.0f} -> {cand.ttft_p50_ms:.0f} ms; {cand.reuse_share:.0%} of later "
-             f"turns reuse retained KV)."]
-    if break_even is None:
+    workload_words = f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns)"
+    if not new_tokens:
+        words = [f"{workload_words} no session has a second turn: there is no history to reuse, and {candidate} "
+                 f"only holds memory (TTFT p50 {base.ttft_p50_ms:.0f} ms on {baseline}, {cand.ttft_p50_ms:.0f} on "
+                 f"{candidate})."]
+    else:
+        words = [f"{workload_words}, {candidate} against {baseline} "
+                 f"{'cuts' if cand.later_ttft_p50_ms < base.later_ttft_p50_ms else 'moves'} later-turn TTFT p50 "
+                 f"from {base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms (all turns: "
+                 f"{base.ttft_p50_ms:.0f} -> {cand.ttft_p50_ms:.0f} ms; {cand.reuse_share:.0%} of later turns reuse "
+                 f"retained KV)."]
+    if not new_tokens:
+        pass
+    elif break_even is None:
         words.append(f"For a turn adding {typical_new} new tokens, reuse never beats recomputing by the calibrated "
                      f"costs.")
     else:
@@ -250,7 +260,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     points = sweep(workload, candidate, deployment, calibration, ttls, budget_shares, predictions[candidate])
     with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, reference_point(points, deployment))
     beyond = beyond_calibration(predictions, calibration)
-    return {
+    return json_safe({
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients, "answers_resent_at": resent_at},
         "deployment": asdict(deployment),
@@ -263,4 +273,16 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
                     ([OTHER_UNMEASURED] if not calibration.other_ms else []),
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
-    }
+    })
+
+
+def json_safe(value):
+    """`value` with every NaN or infinite float as None: a figure with nothing to measure (no later turn, no
+    session) is null in plan.json, which strict JSON readers must be able to parse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value

@@ -21,7 +21,8 @@ class LegPrediction:
     ttft_p90_ms: float
     later_ttft_p50_ms: float
     session_p50_s: float
-    peak_retained_mib: float
+    peak_retained_mib: float  # all decode workers' together
+    peak_retained_mib_per_decode: float  # the decode worker that held the most: what a budget (per worker) caps
     reuse_share: float  # later turns whose history KV came from a decode worker's retention
     turns: int
     events: int
@@ -32,7 +33,9 @@ class LegPrediction:
         """The leg as plan.json shows it."""
         return {"ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
                 "later_ttft_p50_ms": self.later_ttft_p50_ms, "session_p50_s": self.session_p50_s,
-                "peak_retained_mib": self.peak_retained_mib, "reuse_share": self.reuse_share, "paths": self.paths}
+                "peak_retained_mib": self.peak_retained_mib,
+                "peak_retained_mib_per_decode": self.peak_retained_mib_per_decode, "reuse_share": self.reuse_share,
+                "paths": self.paths}
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -41,6 +44,9 @@ def _percentile(values: list[float], p: float) -> float:
 
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
+
+    def mib(tokens: int) -> float:
+        return tokens * sim.calibration.kv_bytes_per_token / 2**20
     ttft = [r.ttft_ms for r in sim.results]
     later = [r for r in sim.results if r.turn > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
@@ -49,7 +55,7 @@ def predict(sim: Simulation) -> LegPrediction:
         path_counts[r.path or "colocated"] = path_counts.get(r.path or "colocated", 0) + 1
     return LegPrediction(
         sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
-        _percentile(sessions, 50), sim.peak_retained_tokens * sim.calibration.kv_bytes_per_token / 2**20,
+        _percentile(sessions, 50), mib(sim.peak_retained_tokens), mib(sim.peak_worker_retained_tokens),
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
         path_counts, dict(sim.reached))
 
@@ -77,7 +83,8 @@ def median_of(runs: list[LegPrediction]) -> LegPrediction:
         return float(np.median([getattr(run, name) for run in runs]))
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, median("ttft_p50_ms"), median("ttft_p90_ms"), median("later_ttft_p50_ms"),
-                         median("session_p50_s"), median("peak_retained_mib"), median("reuse_share"), runs[0].turns,
+                         median("session_p50_s"), median("peak_retained_mib"),
+                         median("peak_retained_mib_per_decode"), median("reuse_share"), runs[0].turns,
                          sum(run.events for run in runs), paths,
                          {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached})
 

@@ -11,20 +11,25 @@ from kvturn.bench.report import html_page, html_table, save_figure
 
 LEG_COLUMNS = ("leg", "TTFT p50 ms", "TTFT p90 ms", "later-turn TTFT p50 ms", "session p50 s", "peak retained MiB",
                "reuse share", "paths")
-SWEEP_COLUMNS = ("TTL s", "budget MiB", "later-turn TTFT p50 ms", "share of the gain", "peak retained MiB",
+SWEEP_COLUMNS = ("TTL s", "budget MiB per decode worker", "later-turn TTFT p50 ms", "share of the gain", "peak retained MiB",
                  "reuse share")
 
 
+def shown(value, spec: str) -> str:
+    """A figure of plan.json as the tables show it; '-' for one with nothing to measure (null)."""
+    return "-" if value is None else format(value, spec)
+
+
 def leg_rows(plan: dict) -> list[list[str]]:
-    return [[leg, f"{p['ttft_p50_ms']:.0f}", f"{p['ttft_p90_ms']:.0f}", f"{p['later_ttft_p50_ms']:.0f}",
-             f"{p['session_p50_s']:.1f}", f"{p['peak_retained_mib']:.1f}", f"{p['reuse_share']:.0%}",
+    return [[leg, shown(p["ttft_p50_ms"], ".0f"), shown(p["ttft_p90_ms"], ".0f"), shown(p["later_ttft_p50_ms"], ".0f"),
+             shown(p["session_p50_s"], ".1f"), shown(p["peak_retained_mib"], ".1f"), shown(p["reuse_share"], ".0%"),
              ", ".join(f"{k} {v}" for k, v in sorted(p["paths"].items()))] for leg, p in plan["legs"].items()]
 
 
 def sweep_rows(plan: dict) -> list[list[str]]:
-    return [[f"{p['ttl_s']:.0f}", "none" if p["budget_mib"] is None else f"{p['budget_mib']}",
-             f"{p['later_ttft_p50_ms']:.0f}", "-" if p["gain_share"] is None else f"{p['gain_share']:.0%}",
-             f"{p['peak_retained_mib']:.1f}", f"{p['reuse_share']:.0%}"] for p in plan["sweep"]["points"]]
+    return [[shown(p["ttl_s"], ".0f"), "none" if p["budget_mib"] is None else f"{p['budget_mib']}",
+             shown(p["later_ttft_p50_ms"], ".0f"), shown(p["gain_share"], ".0%"), shown(p["peak_retained_mib"], ".1f"),
+             shown(p["reuse_share"], ".0%")] for p in plan["sweep"]["points"]]
 
 
 def print_plan(plan: dict, console: Console) -> None:
@@ -42,6 +47,11 @@ def print_plan(plan: dict, console: Console) -> None:
     console.print(f"{plan['simulated_events']} events simulated in {plan['elapsed_s']:.1f} s")
 
 
+def _nan(value) -> float:
+    """A figure to plot: NaN (left out of the plot) for null."""
+    return float("nan") if value is None else value
+
+
 def plot(plan: dict, out_dir: Path) -> dict[str, Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -50,8 +60,8 @@ def plot(plan: dict, out_dir: Path) -> dict[str, Path]:
     legs = plan["legs"]
     fig, ax = plt.subplots(figsize=(9, 4))
     names = list(legs)
-    ax.bar([i - 0.2 for i in range(len(names))], [legs[n]["ttft_p50_ms"] for n in names], 0.4, label="TTFT p50")
-    ax.bar([i + 0.2 for i in range(len(names))], [legs[n]["later_ttft_p50_ms"] for n in names], 0.4,
+    ax.bar([i - 0.2 for i in range(len(names))], [_nan(legs[n]["ttft_p50_ms"]) for n in names], 0.4, label="TTFT p50")
+    ax.bar([i + 0.2 for i in range(len(names))], [_nan(legs[n]["later_ttft_p50_ms"]) for n in names], 0.4,
            label="later-turn TTFT p50")
     ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
     ax.set(ylabel="ms", title="Predicted time to first token per leg")
@@ -62,10 +72,11 @@ def plot(plan: dict, out_dir: Path) -> dict[str, Path]:
     points = plan["sweep"]["points"]
     for budget in dict.fromkeys(p["budget_mib"] for p in points):
         line = [p for p in points if p["budget_mib"] == budget]
-        ax.plot([p["peak_retained_mib"] for p in line], [p["later_ttft_p50_ms"] for p in line], marker="o",
-                label=f"budget {'none' if budget is None else f'{budget} MiB'}")
+        ax.plot([_nan(p["peak_retained_mib"]) for p in line], [_nan(p["later_ttft_p50_ms"]) for p in line],
+                marker="o", label=f"budget {'none' if budget is None else f'{budget} MiB per decode worker'}")
         for p in line:
-            ax.annotate(f"{p['ttl_s']:.0f} s", (p["peak_retained_mib"], p["later_ttft_p50_ms"]), fontsize=7)
+            if None not in (p["ttl_s"], p["peak_retained_mib"], p["later_ttft_p50_ms"]):
+                ax.annotate(f"{p['ttl_s']:.0f} s", (p["peak_retained_mib"], p["later_ttft_p50_ms"]), fontsize=7)
     ax.set(xlabel="peak retained KV (MiB)", ylabel="later-turn TTFT p50 (ms)",
            title=f"TTL and retention budget: memory against latency ({plan['sweep']['leg']})")
     ax.grid(alpha=0.3)
@@ -77,7 +88,7 @@ def plot(plan: dict, out_dir: Path) -> dict[str, Path]:
 def write(plan: dict, out_dir: Path) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "plan.json"
-    json_path.write_text(json.dumps(plan, indent=2))
+    json_path.write_text(json.dumps(plan, indent=2, allow_nan=False))
     plots = plot(plan, out_dir)
     deployment = [[k, html.escape(str(v))] for k, v in plan["deployment"].items()]
     body = (f"<p class=verdict>{html.escape(plan['verdict']['text'])}</p>"

@@ -189,7 +189,8 @@ class Simulation:
         self.turns_in_flight = 0  # arrived, not yet answered in full
         self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
         self.retained_tokens = 0
-        self.peak_retained_tokens = 0
+        self.peak_retained_tokens = 0  # over all decode workers together
+        self.peak_worker_retained_tokens = 0  # on the decode worker that held the most (a budget is per worker)
         self.results: list[TurnResult] = []
         self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
@@ -417,7 +418,10 @@ class Simulation:
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
             pass  # the pool needs room: leases go before any running request is preempted
+        for other in self.leases:
+            other.expire(self.now)  # a worker's ended leases go on its own clock, not when it next retains
         self.peak_retained_tokens = max(self.peak_retained_tokens, self.retained_tokens)  # after any reclaim
+        self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
             return

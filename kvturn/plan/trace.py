@@ -8,6 +8,8 @@ kvturn_synthetic config, a built-in scenario) or from a JSONL trace of real traf
 
 `timestamp` is when the request arrived (seconds); `finished` (optional) when its answer ended, so that the think
 time before the next turn is known exactly; without it the think time is the gap between arrivals.
+`shared_tokens` (optional, a log that knows it) is how many leading tokens of the prompt are the previous turn's
+prompt and answer as generated; without it `continues` infers it from the lengths.
 """
 import json
 from collections.abc import Callable
@@ -16,8 +18,10 @@ from pathlib import Path
 
 from kvturn.bench import compare, workload as bench_workload
 from kvturn.model.tokenizer import ChatTokenizer
+from kvturn.plan.rows import MAX_TOKENS, number_within
 
-TRACE_FIELDS = {"timestamp": (int, float), "conversation_id": str, "prompt_tokens": int, "output_tokens": int}
+TRACE_FIELDS = ("timestamp", "conversation_id", "prompt_tokens", "output_tokens")
+MAX_TIMESTAMP_S = 1e11  # a finite time in seconds, epoch or relative (year 5138)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +60,15 @@ class TraceError(ValueError):
 
 
 def continues(previous: TurnDemand, prompt_tokens: int) -> int:
-    """Tokens a prompt shares with the previous turn's prompt and answer, when it extends them (an agent's next
-    turn); a prompt shorter than that was edited or truncated, and nothing of it is assumed reusable."""
+    """Tokens a prompt shares with the previous turn's prompt and answer, inferred from lengths alone: all of them
+    when it extends them (an agent's next turn); the previous prompt when it is shorter than that but not than the
+    previous prompt (the answer came back shorter than generated: a reasoning model's thinking dropped from the
+    history, a tokenizer that merges the answer's tokens); nothing when it is shorter than the previous prompt
+    (edited or truncated)."""
     history = previous.prompt_tokens + previous.output_tokens
-    return history if prompt_tokens >= history else 0
+    if prompt_tokens >= history:
+        return history
+    return previous.prompt_tokens if prompt_tokens >= previous.prompt_tokens else 0
 
 
 def shares_history(previous: TurnDemand | None, turn: TurnDemand) -> bool:
@@ -126,44 +135,78 @@ def _trace_record(line: str, where: str) -> dict:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not JSON ({exc.msg})") from None
+    return _checked(record, where)
+
+
+def _checked(record, where: str) -> dict:
+    """A trace record as the planner needs it, or TraceError saying which field is wrong."""
     if not isinstance(record, dict):
         raise TraceError(f"{where}: expected an object with {', '.join(TRACE_FIELDS)}")
-    for name, kind in TRACE_FIELDS.items():
+    if not isinstance(record.get("conversation_id"), str):
+        raise TraceError(f"{where}: 'conversation_id' missing or not a string")
+    for name in ("timestamp", "finished"):
         value = record.get(name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise TraceError(f"{where}: {name!r} missing or not {getattr(kind, '__name__', 'a number')}")
-    if record["prompt_tokens"] < 1 or record["output_tokens"] < 1:
-        raise TraceError(f"{where}: prompt_tokens and output_tokens must be at least 1")
-    finished = record.get("finished")
-    if finished is not None and (not isinstance(finished, (int, float)) or finished < record["timestamp"]):
-        raise TraceError(f"{where}: 'finished' must be a number not before 'timestamp'")
+        if (value is not None or name == "timestamp") and not number_within(value, -MAX_TIMESTAMP_S,
+                                                                             MAX_TIMESTAMP_S):
+            raise TraceError(f"{where}: {name!r} missing or not a finite number of seconds")
+    for name in ("prompt_tokens", "output_tokens"):
+        if type(record.get(name)) is not int:
+            raise TraceError(f"{where}: {name!r} missing or not a whole number")
+        if not 1 <= record[name] <= MAX_TOKENS:
+            raise TraceError(f"{where}: {name!r} must be at least 1 and at most {MAX_TOKENS}")
+    if record.get("finished") is not None and record["finished"] < record["timestamp"]:
+        raise TraceError(f"{where}: 'finished' must not be before 'timestamp'")
+    shared = record.get("shared_tokens")
+    if shared is not None and (type(shared) is not int or not 0 <= shared <= record["prompt_tokens"]):
+        raise TraceError(f"{where}: 'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
     return record
+
+
+def _shared(turns: list[TurnDemand], record: dict) -> int:
+    """The leading tokens `record`'s prompt shares with the previous turn's prompt and answer: as the trace says,
+    within that history, or as `continues` infers; none for a conversation's first turn."""
+    if not turns:
+        return 0
+    previous = turns[-1]
+    if record.get("shared_tokens") is None:
+        return continues(previous, record["prompt_tokens"])
+    return min(record["shared_tokens"], previous.prompt_tokens + previous.output_tokens)
 
 
 def from_trace(path: Path) -> Workload:
     """A JSONL trace: requests grouped by conversation in time order; each conversation starts at its first
     request's time, relative to the trace's first request."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    records.append(_trace_record(line, f"{path}:{number}"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read the trace ({exc})") from None
+    return from_records(Path(path).stem, records, str(path))
+
+
+def from_records(name: str, records: list[dict], where: str) -> Workload:
+    """Checked trace records (`_checked`) as a workload."""
     by_conversation: dict[str, list[dict]] = {}
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                record = _trace_record(line, f"{path}:{number}")
-                by_conversation.setdefault(record["conversation_id"], []).append(record)
+    for record in records:
+        by_conversation.setdefault(record["conversation_id"], []).append(record)
     if not by_conversation:
-        raise TraceError(f"{path}: no requests in the trace")
-    origin = min(r["timestamp"] for records in by_conversation.values() for r in records)
+        raise TraceError(f"{where}: no requests in the trace")
+    origin = min(r["timestamp"] for r in records)
     sessions = []
-    for conversation_id, records in by_conversation.items():
-        records.sort(key=lambda r: r["timestamp"])
+    for conversation_id, turns_of in by_conversation.items():
+        turns_of.sort(key=lambda r: r["timestamp"])
         turns: list[TurnDemand] = []
-        for previous, record in zip([None, *records], records):
+        for previous, record in zip([None, *turns_of], turns_of):
             think = 0.0
             if previous is not None:
-                think = max(record["timestamp"] - previous.get("finished", previous["timestamp"]), 0.0)
-            shared = continues(turns[-1], record["prompt_tokens"]) if turns else 0
-            turns.append(TurnDemand(record["prompt_tokens"], record["output_tokens"], shared, think))
-        sessions.append(Session(conversation_id, turns, records[0]["timestamp"] - origin))
-    return Workload(Path(path).stem, sorted(sessions, key=lambda s: s.start_s))
+                ended = previous["timestamp"] if previous.get("finished") is None else previous["finished"]
+                think = max(record["timestamp"] - ended, 0.0)
+            turns.append(TurnDemand(record["prompt_tokens"], record["output_tokens"], _shared(turns, record), think))
+        sessions.append(Session(conversation_id, turns, turns_of[0]["timestamp"] - origin))
+    return Workload(name, sorted(sessions, key=lambda s: s.start_s))
 
 
 def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: int, turns: int,
@@ -186,13 +229,15 @@ def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> W
         return from_trace(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
     if isinstance(data, dict) and "timestamp" in data:
-        return from_trace(path)
+        return from_records(path.stem, [_checked(data, str(path))], str(path))
     tokenizer = ChatTokenizer(model_dir())
     try:
         conversations = bench_workload.load_file(path, tokenizer, seed)
     except (ValueError, TypeError, KeyError) as exc:
         raise TraceError(str(exc)) from None
+    if not conversations:
+        raise TraceError(f"{path}: no conversation with a user turn to plan")
     return from_conversations(path.stem, conversations, tokenizer, clients)

@@ -34,6 +34,8 @@ class TraceOut:
         now = time.time()
         prompt = sum(decode.get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
                                                     "prompt_tokens_remote"))
+        if prompt < 1:
+            return  # a report without its prompt's counts: a line `kvturn plan` would refuse, so none
         line = {"timestamp": round(now - (time.perf_counter() - turn.started), 6), "conversation_id": turn.key,
                 "prompt_tokens": prompt, "output_tokens": decode.get("completion_tokens") or 1,
                 "finished": round(now, 6)}
