@@ -1374,3 +1374,16 @@ def test_the_router_writes_no_trace_line_the_planner_would_refuse(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["prompt_tokens"] == 126
     assert trace.load(path, lambda: "unused", 0, 1).sessions[0].turns[0].prompt_tokens == 126
+
+
+@pytest.mark.parametrize("leg", ["compute-on-D", "bidir/P-cache-off"])
+def test_the_simulated_router_learns_how_much_of_a_lease_the_next_prompt_shares(cost_model, leg):
+    workload = agent_sessions(4, 4)  # answers of 32 tokens, 200 new ones a turn
+    tails = {}
+    for share in (0.05, 1.0):
+        sim = Simulation(workload, LEGS[leg], Deployment(), replace(cost_model, answer_reuse_share=share,
+                                                                    resent_answer_ratio=None)).run()
+        assert len(sim.costs.unshared_tail_tokens.values) >= 4 * 3 - 1  # a later turn whose lease was held
+        tails[share] = sim.costs.unshared_tail_tokens.value
+    # D retains the answer's full blocks; a next prompt that shares 5% of the answer leaves most of them unread
+    assert tails[1.0] < 16 <= tails[0.05]

@@ -168,7 +168,7 @@ def start_up_samples(results: dict) -> dict[str, list[tuple[Chunks, float, float
     """The prefill steps each leg's workers timed at start-up (the bench keeps their /kv/calibration), per kind of
     worker, as samples computed alone, back to back: prompts from scratch and on a long context, which the requests
     of one short run span too few of."""
-    kinds = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+    kinds = step_samples.ROLES
     samples: dict[str, list] = {kind: [] for kind in kinds.values()}
     for run in (results.get("legs") or {}).values():
         steps = run.get("worker_calibration") if isinstance(run, dict) else None

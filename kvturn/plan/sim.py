@@ -46,12 +46,10 @@ class TurnResult:
     session: int
     turn: int
     prompt_tokens: int
-    history_tokens: int
     arrival_s: float
     path: str = ""
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
     ttft_ms: float = 0.0
-    finished_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -68,6 +66,7 @@ class Flight:
     decode: int = 0  # the decode worker serving it
     read_ms: float = 0.0  # P's read of D's retained history
     prefill_compute_ms: float = 0.0
+    leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
 
 
 @dataclass(slots=True)
@@ -263,7 +262,7 @@ class Simulation:
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
         """The turn will arrive at `arrival_s`."""
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, turn.shared_tokens, arrival_s)
+        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
         shareable = reusable(previous, turn, self.calibration.answer_share)
@@ -287,7 +286,6 @@ class Simulation:
         self.decode_cache[decode].store(conversation, retained)
         if self.leg.bidirectional:
             self._retain(conversation, decode, retained)
-        flight.result.finished_s = self.now
         self.turns_in_flight -= 1
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
@@ -310,6 +308,7 @@ class Simulation:
             del self.table[conversation]  # the router forgot it
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
+        flight.leased_tokens = entry.lease.tokens if entry else 0
         available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
         prefill_index = self.router_prefill.least_loaded()
         prefill = self.router_prefill.workers[prefill_index]
@@ -341,6 +340,8 @@ class Simulation:
                                     lease_tokens))
         flight.result.reused_tokens = min(shareable, lease_tokens)
         flight.decode = decode
+        if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
+            self.costs.observe_reuse(flight.leased_tokens, cached)
         job = Job(turn.prompt_tokens - cached, cached, turn.output_tokens, flight,
                   on_first_token=self._computed_on_decode, on_finished=self._decoded)
         self.decode[decode].submit_prefill(job)
@@ -385,7 +386,9 @@ class Simulation:
             holder = self.router_decode.least_loaded()
         flight.decode = holder
         flight.claim = self.router_decode.claim(holder)
-        read = turn.prompt_tokens - min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
+        on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
+        self.costs.observe_reuse(flight.leased_tokens, on_decode)
+        read = turn.prompt_tokens - on_decode
         if self.deployment.first_token_ahead:
             self._first_token(flight, now, job.compute_ms + flight.read_ms)
         read_ms = self.calibration.read_ms(read, "p_to_d")
