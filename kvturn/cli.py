@@ -358,7 +358,6 @@ def plan(
     deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by a short
     kvturn bench run on your hardware (or several, pooled)."""
     import sys
-    from dataclasses import replace
 
     from rich.console import Console
 
@@ -402,11 +401,10 @@ def plan(
     if save_calibration:
         cost_model.save(save_calibration)
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
+                            decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                             kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
-    if scenario:  # the settings the bench runs the scenario with, where the command line left the default
-        deployment = SCENARIOS[scenario].planned(deployment)
-    if decoder_kv_blocks_ttl_s != default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s") or not scenario:
-        deployment = replace(deployment, decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s)
+    if scenario:
+        deployment = planner.with_scenario(deployment, SCENARIOS[scenario])
     # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep
     deployment = planner.sweep_settings(deployment, deployment.decoder_kv_blocks_ttl_s, retained_kv_budget_mb)
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,

@@ -6,7 +6,7 @@ as in vLLM's published run). Scenarios add the cases where reuse cannot or shoul
 """
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -49,14 +49,6 @@ class Scenario:
     sessions: int = 1
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
-
-    def planned(self, deployment):
-        """`deployment` (a kvturn.plan.sim.Deployment) with the connector settings this scenario's workers run
-        with (`--flag value` pairs of decode_args and worker_args, each a Deployment field)."""
-        args = self.decode_args + self.worker_args
-        settings = {flag.removeprefix("--").replace("-", "_"): float(value)
-                    for flag, value in zip(args[::2], args[1::2])}
-        return replace(deployment, **settings)
 
 
 SCENARIOS = {

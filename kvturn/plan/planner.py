@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from kvturn.bench.compare import Scenario
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import SPREAD_PROMPT, Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
@@ -147,6 +148,17 @@ def break_even_history(calibration: Calibration, new_tokens: int, baseline: str,
     return high
 
 
+def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
+    """`deployment` with the connector settings `kvturn bench` runs `scenario`'s workers with (its decode_args and
+    worker_args, `--flag value` pairs naming Deployment fields), each where the deployment kept the default."""
+    args = scenario.decode_args + scenario.worker_args
+    defaults = Deployment()
+    settings = {name: float(value) for name, value in
+                ((flag.removeprefix("--").replace("-", "_"), value) for flag, value in zip(args[::2], args[1::2]))
+                if getattr(deployment, name) == getattr(defaults, name)}
+    return replace(deployment, **settings)
+
+
 def sweep_settings(deployment: Deployment, ttl: float, budget_mb: int | None) -> Deployment:
     return replace(deployment, decoder_kv_blocks_ttl_s=ttl, retained_kv_budget_mb=budget_mb,
                    conversation_ttl_s=ttl * ROUTER_TTL_SHARE)
@@ -207,12 +219,10 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], baseline: str, c
                  f"from {base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms (all turns: "
                  f"{base.ttft_p50_ms:.0f} -> {cand.ttft_p50_ms:.0f} ms; {cand.reuse_share:.0%} of later turns reuse "
                  f"retained KV)."]
-    if not new_tokens:
-        pass
-    elif break_even is None:
+    if new_tokens and break_even is None:
         words.append(f"For a turn adding {typical_new} new tokens, reuse never beats recomputing by the calibrated "
                      f"costs.")
-    else:
+    elif new_tokens:
         words.append(f"Against recomputing the history (a prefill cache miss), reuse pays for turns whose history "
                      f"exceeds {break_even} tokens (adding {typical_new} new ones).")
     words.append(f"With TTL {ttl:.0f} s decode workers hold up to {gib:.2f} GiB of retained KV.")

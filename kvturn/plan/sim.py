@@ -5,6 +5,7 @@ retention leases and prefix caches (retention.py), think time between turns, and
 trace's own start times. A plain heapq loop: the whole state is a few dicts and lists."""
 import heapq
 import random
+from collections import deque
 from dataclasses import dataclass
 
 from kvturn.bench.compare import Leg
@@ -182,6 +183,8 @@ class Simulation:
         budget = (int(d.retained_kv_budget_mb * 2**20 / calibration.kv_bytes_per_token)
                   if d.retained_kv_budget_mb is not None else None)
         self.leases = [Leases(budget, self._retained_changed) for _ in self.decode]
+        # Every lease made, with its decode worker: one TTL for all, so they end in the order they were made
+        self.lease_ends: deque[tuple[Lease, int]] = deque()
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else paths.RECOMPUTE
@@ -421,14 +424,23 @@ class Simulation:
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
             pass  # the pool needs room: leases go before any running request is preempted
-        for other in self.leases:
-            other.expire(self.now)  # a worker's ended leases go on its own clock, not when it next retains
+        if lease is not None:
+            self.lease_ends.append((lease, decode))
+        self._expire_leases()
         self.peak_retained_tokens = max(self.peak_retained_tokens, self.retained_tokens)  # after any reclaim
         self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
             return
         self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
+
+    def _expire_leases(self) -> None:
+        """End every decode worker's leases past their TTL, as each worker does on its own clock, not only when
+        it next retains: the cluster's peak counts no lease that ended."""
+        while self.lease_ends and self.lease_ends[0][0].expiry_s <= self.now:
+            lease, decode = self.lease_ends.popleft()
+            if lease.alive:  # else superseded, reclaimed or expired already
+                self.leases[decode].drop(lease.conversation)
 
     def _retained_changed(self, tokens: int) -> None:
         self.retained_tokens += tokens

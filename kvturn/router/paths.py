@@ -81,6 +81,12 @@ def calibration_step(step) -> tuple[int, int, float] | None:
     return None
 
 
+def reported_prompt_tokens(report: dict | None) -> int:
+    """The prompt tokens a worker's report counts: computed, found in its cache and read from a peer."""
+    return sum((report or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
+                                                    "prompt_tokens_remote"))
+
+
 def own_read_ms(role: str, timing: dict) -> float:
     """A worker's KV read time, less on P the engine steps that ran before the read was seen done
     (`kv_read_step_ms`: other prompts' work, which the queue model counts). D's keeps them: its step under way is

@@ -13,6 +13,8 @@ import logging.handlers
 import queue
 import time
 
+from kvturn.router import paths
+
 
 class TraceOut:
     def __init__(self, path: str | None):
@@ -32,8 +34,7 @@ class TraceOut:
         if self.listener is None or turn.key is None or not decode:
             return
         now = time.time()
-        prompt = sum(decode.get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
-                                                    "prompt_tokens_remote"))
+        prompt = paths.reported_prompt_tokens(decode)
         if prompt < 1:
             return  # a report without its prompt's counts: a line `kvturn plan` would refuse, so none
         line = {"timestamp": round(now - (time.perf_counter() - turn.started), 6), "conversation_id": turn.key,

@@ -156,8 +156,7 @@ class Turn(Streaming):
         costs.observe_turn(choice, actual, explained, shared)
         if self.prefill_round_trip_s:
             costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
-        prompt_tokens = sum((decode or {}).get(k) or 0 for k in ("prompt_tokens_computed", "prompt_tokens_cached",
-                                                                   "prompt_tokens_remote"))
+        prompt_tokens = paths.reported_prompt_tokens(decode)
         known_bytes, known_tokens = self.known_history()
         costs.observe_prompt(self.prompt_size, prompt_tokens, known_bytes, known_tokens)
         if self.counted_tokens is not None and prompt_tokens:
