@@ -918,9 +918,11 @@ def test_prompts_computed_in_the_same_steps_calibrate_as_one_sample_paying_the_f
     def row(conversation: str, start_ms: float, tokens: int, compute_ms: float) -> Row:
         return Row("pd/P-cache-off", conversation, 0, start_ms, compute_ms + 5, compute_ms + 50, tokens, 8, 6.0,
                    tokens, compute_ms, 0.0, 0.0, 0.0, 0, 0, 0)
-    rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0)]
+    # d took as long as a and b's shared steps, but seconds later: steps of its own
+    rows = [row("a", 0.0, 1000, 300.0), row("b", 0.0, 2000, 300.0), row("c", 1000.0, 500, 90.0),
+            row("d", 5000.0, 700, 300.0)]
     samples = fit.compute_samples({"pd/P-cache-off": rows})["prefill"]
-    assert sorted((chunks, ms) for chunks, ms, _, _ in samples) == [(((500, 0),), 90.0),
+    assert sorted((chunks, ms) for chunks, ms, _, _ in samples) == [(((500, 0),), 90.0), (((700, 0),), 300.0),
                                                                     (((1000, 0), (2000, 0)), 300.0)]
     terms = a, b, c, q = (10.0, 0.1, 0.08, 0.05)
     together = fit.predict_compute(terms, ((1000, 100), (2000, 0)))

@@ -102,7 +102,8 @@ def compute_samples(by_leg: Legs, colocated_step: tuple[float, float, float] | N
                     ) -> dict[str, list[tuple[Chunks, float, float, bool]]]:
     """(the prompts computed together, ms, share of the time the other role was busy, whether they found the worker
     idle) per kind of worker. Prompts computed in the same steps each report the steps' whole time: those reporting
-    the same time make one sample, which started after idling if any of them found the worker idle.
+    the same time over the same span make one sample, which started after idling if any of them found the worker
+    idle; two prompts computed apart in equal times stay two.
 
     A colocated worker's prompt steps also ran its decodes; with `colocated_step` (its decode step fit) their part
     is taken out, since the simulation adds a step of the decodes running to each prompt step."""
@@ -120,18 +121,18 @@ def compute_samples(by_leg: Legs, colocated_step: tuple[float, float, float] | N
                 others = [i for i in prefilling + (decoding if colocated else []) if i != interval]
                 key = ("colocated" if colocated else "prefill", group, round(row.prefill_compute_ms, 1))
                 beside = decodes_beside(interval, row, leg_rows) if colocated and colocated_step else None
-                grouped.setdefault(key, []).append((row.computed, row.input_tokens - row.computed, busy,
-                                                    after_idle(row.start_ms, interval[0], others), beside))
+                _share_steps(grouped, key, interval, (row.computed, row.input_tokens - row.computed, busy,
+                                                      after_idle(row.start_ms, interval[0], others), beside))
             new = _new_tokens_on_decode(row, previous.get(row.conversation_id))
             if row.decode_compute_ms > 0 and new:
                 interval = _decode_compute_interval(row)
                 others = [i for i in decoding + on_decode if i != interval and i != decode_interval(row)]
                 key = ("decode", group, round(row.decode_compute_ms, 1))
-                grouped.setdefault(key, []).append((new, row.input_tokens - new, 0.0,
-                                                    after_idle(row.start_ms, interval[0], others), None))
+                _share_steps(grouped, key, interval, (new, row.input_tokens - new, 0.0,
+                                                      after_idle(row.start_ms, interval[0], others), None))
             previous[row.conversation_id] = row
     samples: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
-    for (kind, _, ms), prompts in grouped.items():
+    for (kind, _, ms), prompts in ((key, prompts) for key, spans in grouped.items() for _, prompts in spans):
         chunks = tuple((new, context) for new, context, *_ in prompts)
         busy, idle = max(prompt[2] for prompt in prompts), any(prompt[3] for prompt in prompts)
         besides = [prompt[4] for prompt in prompts if prompt[4] is not None]
@@ -144,6 +145,17 @@ def compute_samples(by_leg: Legs, colocated_step: tuple[float, float, float] | N
             ms = max(ms - decodes_ms, ms * MIN_PROMPT_SHARE)
         samples[kind].append((chunks, ms, busy, idle))
     return samples
+
+
+def _share_steps(grouped: dict[tuple, list], key: tuple, interval: tuple[float, float], prompt: tuple) -> None:
+    """Add `prompt` to the prompts of `key` (a worker and a compute time) computed over most of the same span, or
+    as computed in steps of its own."""
+    spans = grouped.setdefault(key, [])
+    for span, prompts in spans:
+        if busy_share(interval, [span]) > 0.5:
+            prompts.append(prompt)
+            return
+    spans.append((interval, [prompt]))
 
 
 def decodes_beside(interval: tuple[float, float], row: Row, leg_rows: list[Row]) -> tuple[float, float]:
