@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import plan_accuracy  # noqa: E402  (a sibling script: the same OUT layout and turn counts)
 
-from kvturn.bench.compare import LEGS, SCENARIOS  # noqa: E402
+from kvturn.bench.catalog import LEGS, SCENARIOS  # noqa: E402
 from kvturn.cli import resolve_model  # noqa: E402
 from kvturn.plan import fit, predict, step_samples, trace  # noqa: E402
 from kvturn.plan.calibration import Calibration, load_many  # noqa: E402

@@ -35,7 +35,7 @@ def resolve_model(model: Optional[Path], preset: str = "tiny") -> str:
 
 def chosen_legs(legs: str) -> list[str]:
     """The comma-separated leg names of `kvturn bench --compare` and `kvturn plan`, each one known."""
-    from kvturn.bench.compare import LEGS
+    from kvturn.bench.catalog import LEGS
     chosen = [leg.strip() for leg in legs.split(",") if leg.strip()]
     unknown = [leg for leg in chosen if leg not in LEGS]
     if unknown:
@@ -241,25 +241,25 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import client, compare as comparison, report, workload
+    from kvturn.bench import catalog, client, compare as comparison, report, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
     if not compare and not url:
         raise typer.BadParameter("give --url URL, or --compare to launch local legs")
-    if scenario not in comparison.SCENARIOS:
-        raise typer.BadParameter(f"scenario must be one of {sorted(comparison.SCENARIOS)}")
+    if scenario not in catalog.SCENARIOS:
+        raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
     model_dir = resolve_model(model)
     tokenizer = ChatTokenizer(model_dir)
     source = workload.TextSource(tokenizer)
-    spec = comparison.SCENARIOS[scenario]
+    spec = catalog.SCENARIOS[scenario]
     if workload_file:
         try:
             conversations = workload.load_file(workload_file, tokenizer, seed)
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     else:
-        conversations = comparison.build_workload(scenario, source, seed, max_prompt_tokens, turns)
+        conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns)
     for conv in conversations:
         for turn in conv.turns:
             turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
@@ -361,7 +361,7 @@ def plan(
 
     from rich.console import Console
 
-    from kvturn.bench.compare import SCENARIOS
+    from kvturn.bench.catalog import SCENARIOS
     from kvturn.plan import calibration, planner, report, trace
     from kvturn.plan.sim import Deployment
     console = Console(width=None if sys.stdout.isatty() else 160)

@@ -8,7 +8,7 @@ import pytest
 
 from kvturn.bench import workload
 from kvturn.bench.client import RequestRecord, RunResult, SessionRecord, sse_chunk
-from kvturn.bench.compare import SCENARIOS
+from kvturn.bench.catalog import SCENARIOS
 from kvturn.bench.distributions import Distribution
 from kvturn.bench.report import summarize
 from kvturn.config import ConnectorConfig

@@ -4,8 +4,12 @@ import pytest
 
 from chat import SYSTEM, conversation, send
 from kvturn.launch import LocalStack
-from kvturn.router import keys, paths
-from kvturn.router.paths import ComputeFit, CostModel, TurnView, choose
+from kvturn import costmodel as paths
+from kvturn.costmodel import fits, reports, tokens
+from kvturn.costmodel import CostModel, TurnView, choose
+from kvturn.costmodel.fits import ComputeFit
+from kvturn.costmodel.paths import EXPLORE_EVERY
+from kvturn.router import keys
 
 
 SYSTEM_MSG = {"role": "system", "content": "You are an agent."}
@@ -58,7 +62,7 @@ def test_the_cost_model_learns_from_worker_reports():
     model = CostModel()
     report = {"prompt_tokens_computed": 100, "prompt_tokens_cached": 0, "prompt_tokens_remote": 4096,
               "kv_read_bytes": 16 * 2**20, "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 4.0}}
-    for _ in range(paths.MIN_SAMPLES):
+    for _ in range(fits.MIN_SAMPLES):
         model.observe_prefill("prefill", report)
     assert model.read_ms_per_mib.value == pytest.approx(0.25)
     assert model.bytes_per_token.value == pytest.approx(4096)
@@ -70,7 +74,7 @@ def test_the_decode_workers_slow_reads_of_new_blocks_do_not_price_the_history_pu
               "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 8.0}}
     handed = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 4096, "prompt_tokens_remote": 128,
               "kv_read_bytes": 2**19, "timing": {"kv_read_ms": 60.0}}  # waited for D's step under way
-    for _ in range(paths.MIN_SAMPLES):
+    for _ in range(fits.MIN_SAMPLES):
         model.observe_prefill("prefill", pulled)
         model.observe_prefill("decode", handed)
     assert model.read_ms(4096) == pytest.approx(8.0)
@@ -86,20 +90,20 @@ def test_a_read_that_the_prefill_workers_steps_overlapped_teaches_no_read_speed(
         model.observe_prefill("prefill", waited)
     assert not model.read_ms_per_mib.values
     clean = {**waited, "timing": {"prefill_compute_ms": 100.0, "kv_read_ms": 3.2, "kv_read_step_ms": 0.0}}
-    for _ in range(paths.MIN_SAMPLES):
+    for _ in range(fits.MIN_SAMPLES):
         model.observe_prefill("prefill", clean)
     assert model.read_ms(4096) == pytest.approx(3.2)
 
 
 def test_of_a_prefill_workers_read_only_its_own_part_counts_in_the_turn_and_a_decode_workers_keeps_its_wait():
     timing = {"kv_read_ms": 488.0, "kv_read_step_ms": 480.0}
-    assert paths.own_read_ms("prefill", timing) == pytest.approx(8.0)
-    assert paths.own_read_ms("decode", timing) == pytest.approx(488.0)
-    assert paths.own_read_ms("prefill", {"kv_read_ms": 5.0, "kv_read_step_ms": 9.0}) == 0.0
+    assert reports.own_read_ms("prefill", timing) == pytest.approx(8.0)
+    assert reports.own_read_ms("decode", timing) == pytest.approx(488.0)
+    assert reports.own_read_ms("prefill", {"kv_read_ms": 5.0, "kv_read_step_ms": 9.0}) == 0.0
 
 
 def test_one_compute_fit_covers_a_prompt_from_scratch_and_new_tokens_on_a_long_history():
-    fit = ComputeFit(paths.PRIOR)
+    fit = ComputeFit(fits.PRIOR)
     # Reading the cached context costs more per pair of tokens than the new tokens' attention among themselves.
     truth = lambda n, c: 4.0 + 0.1 * n + 0.09 * n * c / 1e3 + 0.015 * n * n / 2e3  # noqa: E731
     for n, c in [(4000, 0), (300, 4000), (150, 5000), (400, 3000), (250, 6000), (3000, 0), (350, 4500)] * 3:
@@ -153,7 +157,7 @@ def test_a_workers_calibration_is_checked_before_it_is_learned():
     assert model.observe_calibration("prefill", {"new_tokens": 1}) == 0
     assert model.observe_calibration("prefill", steps) == 1
     assert model.observe_calibration("nonsense", [good]) == 0
-    assert model.observe_calibration("decode", [good] * 100) == paths.MAX_CALIBRATION_STEPS
+    assert model.observe_calibration("decode", [good] * 100) == fits.MAX_CALIBRATION_STEPS
     # Only the first workers of a role teach it: a fleet of idle workers must not outweigh measured requests.
     assert model.observe_calibration("prefill", [good]) == 1
     assert model.observe_calibration("prefill", [good]) == 0
@@ -197,14 +201,14 @@ def test_adaptive_retakes_a_path_it_has_not_measured_lately_when_it_is_not_far_o
     model = CostModel()
     turn = TurnView(6400, 6000, 0, True, 0, 0.0)
     taken = []
-    for _ in range(3 * paths.EXPLORE_EVERY):
+    for _ in range(3 * EXPLORE_EVERY):
         choice = choose(model, turn, "adaptive", 0.5)
         model.chosen(choice.path)
         taken.append(choice.path)
     assert taken.count(paths.COMPUTE_ON_DECODE) > taken.count(paths.PULL) >= 2  # pull, every 17th turn
-    for _ in range(paths.MIN_SAMPLES):
+    for _ in range(fits.MIN_SAMPLES):
         model.correction[paths.PULL].add(10.0)  # pull measured ten times slower: no longer worth a look
-    for _ in range(2 * paths.EXPLORE_EVERY):
+    for _ in range(2 * EXPLORE_EVERY):
         model.chosen(choose(model, turn, "adaptive", 0.5).path)
         assert model.turns_since_chosen[paths.COMPUTE_ON_DECODE] == 0
 
@@ -239,15 +243,15 @@ def test_a_request_that_fails_leaves_the_queue_without_making_it_look_fresh():
 
 def test_a_reused_id_on_another_history_does_not_teach_the_token_rate():
     model = CostModel()
-    model.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
-    before = model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
-    model.observe_prompt(20_001, 8_000, known_bytes=20_000, known_tokens=6_000)  # 2,000 tokens for 1 byte added
-    model.observe_prompt(40_000, 20, known_bytes=20_000, known_tokens=6_000)  # fewer tokens than the lease held
-    assert model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000) == before
+    model.tokens.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
+    before = model.tokens.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
+    model.tokens.observe_prompt(20_001, 8_000, known_bytes=20_000, known_tokens=6_000)  # 2,000 tokens for 1 byte added
+    model.tokens.observe_prompt(40_000, 20, known_bytes=20_000, known_tokens=6_000)  # fewer tokens than the lease held
+    assert model.tokens.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000) == before
 
 
 def test_one_stalled_sample_moves_the_compute_fit_only_so_far():
-    fit = ComputeFit(paths.PRIOR)
+    fit = ComputeFit(fits.PRIOR)
     for _ in range(8):
         fit.add(500, 4000, 50.0)
     expected = fit.predict(500, 4000)
@@ -258,19 +262,19 @@ def test_one_stalled_sample_moves_the_compute_fit_only_so_far():
 def test_the_new_tokens_of_a_turn_are_estimated_from_the_bytes_added_since_its_lease():
     model = CostModel()
     for _ in range(8):  # turns of an average text: 0.3 tokens a byte, in the whole prompt and in what a turn adds
-        model.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
+        model.tokens.observe_prompt(21_000, 6_300, known_bytes=20_000, known_tokens=6_000)
     # A conversation whose text makes 0.2 tokens a byte: its 30,000-byte history holds 6,000 tokens; 1,000 bytes added.
-    whole = model.prompt_tokens(31_000)
-    anchored = model.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
+    whole = model.tokens.prompt_tokens(31_000)
+    anchored = model.tokens.prompt_tokens(31_000, known_bytes=30_000, known_tokens=6_000)
     assert anchored == 6_300
     assert whole - 6_000 > 10 * (anchored - 6_000)  # from the whole prompt, the 300 new tokens would seem 3,300
-    assert model.prompt_tokens(29_000, known_bytes=30_000, known_tokens=6_000) == whole - 600  # history edited
+    assert model.tokens.prompt_tokens(29_000, known_bytes=30_000, known_tokens=6_000) == whole - 600  # history edited
 
 
 def test_before_any_turn_on_a_lease_is_measured_the_added_bytes_make_tokens_at_the_first_prompts_rate():
     model = CostModel()
-    model.observe_prompt(20_000, 4_400)  # a first turn: 0.22 tokens a byte
-    assert model.prompt_tokens(21_000, known_bytes=20_000, known_tokens=4_400) == 4_620
+    model.tokens.observe_prompt(20_000, 4_400)  # a first turn: 0.22 tokens a byte
+    assert model.tokens.prompt_tokens(21_000, known_bytes=20_000, known_tokens=4_400) == 4_620
 
 
 def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
@@ -279,7 +283,7 @@ def test_a_prefill_batched_with_other_prompts_teaches_the_model_nothing():
              "timing": {"prefill_compute_ms": 120.0, "prefill_shared_tokens": 7}}  # another prompt's last few tokens in its steps
     batched = {"prompt_tokens_computed": 300, "prompt_tokens_cached": 4000,
                "timing": {"prefill_compute_ms": 900.0, "prefill_shared_tokens": 4000}}  # a first turn beside it
-    assert not paths.shared_steps(alone) and paths.shared_steps(batched)
+    assert not reports.shared_steps(alone) and reports.shared_steps(batched)
     model.observe_prefill("decode", batched)
     assert model.prefill["decode"].samples == 0
     choice = choose(model, view(), "adaptive", 0.5)
@@ -402,18 +406,18 @@ def test_the_router_counts_a_text_it_has_seen_from_memory_and_keeps_a_bounded_nu
 
 def test_the_tokens_a_turn_adds_beyond_its_counted_text_are_learned_per_turn():
     model = CostModel()
-    assert model.added_tokens(300) == 300 + paths.ADDED_OVERHEAD_PRIOR
+    assert model.tokens.added_tokens(300) == 300 + tokens.ADDED_OVERHEAD_PRIOR
     for added in (312, 311, 313, 312, 900, 312):  # one turn whose history was not what the lease held
-        model.observe_added(added, 300)
-    assert model.added_tokens(100) == 112
-    model.observe_added(300 + paths.ADDED_OVERHEAD_BOUND + 1, 300)  # out of bounds: not learned
-    assert model.added_tokens(100) == 112
+        model.tokens.observe_added(added, 300)
+    assert model.tokens.added_tokens(100) == 112
+    model.tokens.observe_added(300 + tokens.ADDED_OVERHEAD_BOUND + 1, 300)  # out of bounds: not learned
+    assert model.tokens.added_tokens(100) == 112
 
 
 def test_a_whole_prompts_template_tokens_are_learned_per_message():
     model = CostModel()
-    assert model.templated_tokens(4000, 2) == 4000 + 2 * paths.TEMPLATE_TOKENS_PRIOR
-    for _ in range(paths.MIN_SAMPLES):
-        model.observe_template(4014, 4000, 2)
-    model.observe_template(9000, 4000, 2)  # not a template: another prompt than the one counted
-    assert model.templated_tokens(3000, 4) == 3028
+    assert model.tokens.templated_tokens(4000, 2) == 4000 + 2 * tokens.TEMPLATE_TOKENS_PRIOR
+    for _ in range(fits.MIN_SAMPLES):
+        model.tokens.observe_template(4014, 4000, 2)
+    model.tokens.observe_template(9000, 4000, 2)  # not a template: another prompt than the one counted
+    assert model.tokens.templated_tokens(3000, 4) == 3028

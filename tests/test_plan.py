@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from chat import conversation
-from kvturn.bench.compare import LEGS
+from kvturn.bench.catalog import LEGS
 from kvturn.cli import app
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.launch import LocalStack

@@ -1,6 +1,6 @@
 """How fast this engine computes prompts on this machine, timed once before it serves.
 
-A router predicts each turn's path from its measured compute (router/paths.py); with no request seen yet, a
+A router predicts each turn's path from its measured compute (kvturn/costmodel); with no request seen yet, a
 fresh cluster would predict its first turns from a prior written for some other machine. Each worker instead
 times a few prefill steps at start-up, from scratch and on top of a context, and serves them at
 `/kv/calibration`; a router fits them into the prior of its cost model. Workers on one machine take turns (a

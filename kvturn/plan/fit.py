@@ -5,11 +5,11 @@ request ran, from which the batch, and whether the other role was busy on the sh
 requests give the rest either way: what was read each way, and the time outside compute and transfer."""
 import numpy as np
 
-from kvturn.bench.compare import LEGS
+from kvturn.bench.catalog import LEGS
 from kvturn.config import EngineConfig, default_of
 from kvturn.plan import step_samples
 from kvturn.plan.rows import Row, after_idle, busy_share, decode_interval, prefill_interval, rows_of
-from kvturn.router.paths import ComputeFit, calibration_step, nonnegative_lstsq, relative_nonnegative_fit
+from kvturn.costmodel.fits import ComputeFit, calibration_step, nonnegative_lstsq, relative_nonnegative_fit
 
 BLOCK_SIZE = default_of(EngineConfig, "block_size")
 MIN_FIT_SAMPLES = 4

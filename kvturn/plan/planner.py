@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from kvturn.bench.compare import Scenario
+from kvturn.bench.catalog import Scenario
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import SPREAD_PROMPT, Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvturn.bench.compare import LEGS, Leg
+from kvturn.bench.catalog import LEGS, Leg
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.fit import WORKER_KINDS
 from kvturn.plan.sim import Deployment, Simulation

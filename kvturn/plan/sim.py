@@ -8,14 +8,15 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from kvturn.bench.compare import Leg
+from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload, resend_answers, reusable
-from kvturn.router import paths
+from kvturn import costmodel
+from kvturn.costmodel.fits import MIN_SAMPLES, ComputeFit, Typical
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -61,7 +62,7 @@ class Flight:
     result: TurnResult
     shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse (its last token is always computed)
     dispatched_s: float = 0.0
-    choice: paths.PathChoice | None = None
+    choice: costmodel.PathChoice | None = None
     claim: Claim | None = None  # the router's load on the worker serving the turn now
     prefill: int = 0  # the prefill worker serving it
     decode: int = 0  # the decode worker serving it
@@ -87,26 +88,26 @@ class SessionState:
     finished_s: float | None = None
 
 
-FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least paths.MIN_SAMPLES
+FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least MIN_SAMPLES
 
 
-def router_cost_model(calibration: Calibration) -> paths.CostModel:
+def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
     """The router's cost model as it stands once calibrated: each fit starts from its own points, so that
-    `paths.choose` treats it as measured."""
-    model = paths.CostModel()
+    `costmodel.choose` treats it as measured."""
+    model = costmodel.CostModel()
     for role in ("prefill", "decode"):
-        fit = paths.ComputeFit(calibration.fit_for(role))
+        fit = ComputeFit(calibration.fit_for(role))
         for new, context in FIT_POINTS:
             fit.add(new, context, max(fit.predict(new, context), 1e-3))
         model.prefill[role] = fit
     for measured, value in ((model.read_ms_per_mib, calibration.read_ms_per_mib["d_to_p"]),
                             (model.handoff_read_ms_per_mib, calibration.read_ms_per_mib["p_to_d"]),
                             (model.bytes_per_token, calibration.kv_bytes_per_token)):
-        for _ in range(paths.MIN_SAMPLES):
+        for _ in range(MIN_SAMPLES):
             measured.add(value)
-    for path, leg in ((paths.RECOMPUTE, "pd/P-cache-off"), (paths.PULL, "bidir/P-cache-off"),
-                      (paths.COMPUTE_ON_DECODE, "compute-on-D")):
-        model.other_ms[path] = paths.Typical(calibration.other(leg))
+    for path, leg in ((costmodel.RECOMPUTE, "pd/P-cache-off"), (costmodel.PULL, "bidir/P-cache-off"),
+                      (costmodel.COMPUTE_ON_DECODE, "compute-on-D")):
+        model.other_ms[path] = Typical(calibration.other(leg))
     return model
 
 
@@ -187,7 +188,7 @@ class Simulation:
         self.lease_ends: deque[tuple[Lease, int]] = deque()
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
-        self.policy = leg.path_policy if leg.bidirectional else paths.RECOMPUTE
+        self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
         self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
         self.retained_tokens = 0
@@ -315,22 +316,22 @@ class Simulation:
         available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
         prefill_index = self.router_prefill.least_loaded()
         prefill = self.router_prefill.workers[prefill_index]
-        view = paths.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
+        view = costmodel.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
                               holder.in_flight if holder else 0, available, prefill.in_flight, prefill.backlog_ms(now),
                               holder.backlog_ms(now) if holder else 0.0, self.deployment.first_token_ahead,
                               holder.step_ms if holder else 0.0)
-        choice = flight.choice = paths.choose(self.costs, view, self.policy, self.deployment.stall_weight)
+        choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.result.path = choice.path
         live = entry is not None and entry.lease.alive and now + self.deployment.kv_expiry_margin_s < \
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
-        if choice.path == paths.COMPUTE_ON_DECODE:
+        if choice.path == costmodel.COMPUTE_ON_DECODE:
             flight.claim = self.router_decode.claim(entry.decode, choice.work_ms)
             self._compute_on(entry.decode, flight, lease_tokens)
         else:
             flight.claim = self.router_prefill.claim(prefill_index, choice.work_ms)
-            self._prefill_on(prefill_index, flight, lease_tokens if choice.path == paths.PULL else 0)
+            self._prefill_on(prefill_index, flight, lease_tokens if choice.path == costmodel.PULL else 0)
 
     def _blocks(self, tokens: int) -> int:
         return max(tokens, 0) // self.deployment.block_size * self.deployment.block_size

@@ -10,7 +10,7 @@ the slowdown beside the other role and the cost of starting idle are in them, on
 from dataclasses import dataclass
 
 from kvturn.plan.rows import busy_share, number_within
-from kvturn.router.paths import plausible_step_ms
+from kvturn.costmodel.fits import plausible_step_ms
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
 MAX_TOKENS = 2**24  # of a context, or of a step

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvturn.bench import compare, workload as bench_workload
+from kvturn.bench import catalog, workload as bench_workload
 from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.plan.rows import MAX_TOKENS, number_within
 
@@ -213,7 +213,7 @@ def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: i
                   clients: int) -> Workload:
     """A built-in `kvturn bench` scenario, built as the bench builds it from the same seed."""
     tokenizer = ChatTokenizer(model_dir)
-    conversations = compare.build_workload(scenario, bench_workload.TextSource(tokenizer), seed, max_prompt_tokens,
+    conversations = catalog.build_workload(scenario, bench_workload.TextSource(tokenizer), seed, max_prompt_tokens,
                                            turns)
     return from_conversations(scenario, conversations, tokenizer, clients)
 

@@ -21,7 +21,7 @@ from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.registry import WorkerRegistry
 from kvturn.router import keys
 from kvturn.router.conversations import ConversationTable
-from kvturn.router.paths import CostModel
+from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.turn import Turn

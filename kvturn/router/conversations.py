@@ -22,7 +22,7 @@ class Conversation:
     order: int = 0  # how far the conversation had come (messages in the history); a store keeps the newest
     prompt_token_ids: str | None = None  # for a vLLM backend: the ids whose KV the decode worker retained, "1,2,3"
     # Bytes of the history's messages up to the answer, whose KV the lease holds: the next turn's prompt estimate
-    # counts only the bytes added since (paths.CostModel.prompt_tokens).
+    # counts only the bytes added since (costmodel.tokens.TokenEstimator.prompt_tokens).
     history_bytes: int = 0
 
     @classmethod

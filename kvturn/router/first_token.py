@@ -12,7 +12,7 @@ one-token cap rather than finished, and a token whose text is complete UTF-8.
 import json
 from dataclasses import dataclass
 
-from kvturn.server.openai import choice_text
+from kvturn.router.answers import choice_text
 
 REPLACEMENT_CHAR = "\ufffd"  # what a token that ends inside a UTF-8 sequence decodes to
 

@@ -17,7 +17,7 @@ from kvturn.router.first_token import FirstToken, FirstTokenMismatch
 from kvturn.router.upstream import Stream, Unreachable
 from kvturn.router.vllm_backend import KVTURN
 from kvturn.router.workers import Claim
-from kvturn.server.openai import choice_text
+from kvturn.router.answers import choice_text
 
 log = logging.getLogger("kvturn.router")
 

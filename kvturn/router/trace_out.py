@@ -13,7 +13,7 @@ import logging.handlers
 import queue
 import time
 
-from kvturn.router import paths
+from kvturn.costmodel.reports import reported_prompt_tokens
 
 
 class TraceOut:
@@ -34,7 +34,7 @@ class TraceOut:
         if self.listener is None or turn.key is None or not decode:
             return
         now = time.time()
-        prompt = paths.reported_prompt_tokens(decode)
+        prompt = reported_prompt_tokens(decode)
         if prompt < 1:
             return  # a report without its prompt's counts: a line `kvturn plan` would refuse, so none
         line = {"timestamp": round(now - (time.perf_counter() - turn.started), 6), "conversation_id": turn.key,

@@ -9,26 +9,19 @@ from yarl import URL
 from kvturn.errors import error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.params import BadKVParams, KVTransferParams
+from kvturn.router.answers import answer_object, choice_text
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import may_send_ahead
-from kvturn.router import fast_json, keys, paths
+from kvturn import costmodel
+from kvturn.costmodel.reports import own_read_ms, reported_prompt_tokens, shared_steps
+from kvturn.router import fast_json, keys
 from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.upstream import Reply, Stream, Unreachable
 from kvturn.router.workers import Claim, UpstreamError, WorkerState
-from kvturn.server.openai import choice_text
 
 log = logging.getLogger("kvturn.router")
 LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
-
-
-def answer_object(content: bytes | str) -> dict | None:
-    """A worker's 200 answer as the JSON object it must be; None if it is anything else."""
-    try:
-        result = fast_json.loads(content)
-    except ValueError:
-        return None
-    return result if isinstance(result, dict) else None
 
 
 class Turn(Streaming):
@@ -41,7 +34,7 @@ class Turn(Streaming):
         self.prefill: dict = {}
         self.prefill_url = ""
         self.prefill_round_trip_s = 0.0
-        self.choice: paths.PathChoice | None = None
+        self.choice: costmodel.PathChoice | None = None
         # Tokens of the text of the messages the estimate counted (text_tokens): those sent after the answer the
         # lease holds, or all of them when there is no lease.
         self.counted_tokens: int | None = None
@@ -57,10 +50,10 @@ class Turn(Streaming):
         if self.key:
             self.entry, missed_because = await router.table.lookup(self.key)
         router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
-        self.choice = paths.choose(router.costs, self.view(), router.config.path_policy, router.config.stall_weight)
+        self.choice = costmodel.choose(router.costs, self.view(), router.config.path_policy, router.config.stall_weight)
         router.costs.chosen(self.choice.path)
         router.metrics.paths.labels(self.choice.path).inc()
-        if self.choice.path == paths.COMPUTE_ON_DECODE:
+        if self.choice.path == costmodel.COMPUTE_ON_DECODE:
             return await self.decode(dict(self.body))  # D computes the new tokens on the history it retained
         started = time.perf_counter()
         try:
@@ -85,7 +78,7 @@ class Turn(Streaming):
             return await self.stream_decode(d_body)
         return await self.complete_decode(d_body)
 
-    def view(self) -> paths.TurnView:
+    def view(self) -> costmodel.TurnView:
         """What the path policy needs to know of this turn, from the table and the workers' load."""
         router, entry = self.router, self.entry
         retained, running, available, decode_backlog, step_ms = 0, 0, False, 0.0, 0.0
@@ -96,13 +89,13 @@ class Turn(Streaming):
                 running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
         prefill = router.prefill.least_loaded()
-        return paths.TurnView(self.estimated_prompt_tokens(), retained, running, available,
+        return costmodel.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                               prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
                               decode_backlog, may_send_ahead(self.body, self.chat), step_ms)
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens: counted with the model's tokenizer where the router has it (--tokenizer) and the
-        text is short enough, the rest estimated from the bytes (paths.CostModel.prompt_tokens)."""
+        text is short enough, the rest estimated from the bytes (costmodel.tokens.TokenEstimator.prompt_tokens)."""
         prompt, messages, costs = self.body.get("prompt"), self.body.get("messages"), self.router.costs
         if isinstance(prompt, list):
             return len(prompt)
@@ -114,12 +107,12 @@ class Turn(Streaming):
             added = keys.added_since(messages, self.entry.order)
             self.counted_tokens = self.text_tokens(added, self.prompt_size - known_bytes)
             if self.counted_tokens is not None:
-                return known_tokens + costs.added_tokens(self.counted_tokens)
+                return known_tokens + costs.tokens.added_tokens(self.counted_tokens)
         elif isinstance(messages, list):
             self.counted_tokens = self.text_tokens(messages, self.prompt_size)
             if self.counted_tokens is not None:
-                return costs.templated_tokens(self.counted_tokens, len(messages))
-        return costs.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
+                return costs.tokens.templated_tokens(self.counted_tokens, len(messages))
+        return costs.tokens.prompt_tokens(self.prompt_size, known_bytes, known_tokens)
 
     def text_tokens(self, messages: list | None, size: int) -> int | None:
         """Tokens of the text of `messages` (`size` bytes), counted with the model's tokenizer; None without one,
@@ -151,19 +144,19 @@ class Turn(Streaming):
         timed = {"prefill": p_timing}  # what the TTFT holds: D's part too, unless P's first token went ahead
         if self.first_token_from != "prefill":
             timed["decode"] = d_timing
-        explained = sum((t.get("prefill_compute_ms") or 0.0) + paths.own_read_ms(role, t) for role, t in timed.items())
-        shared = any(paths.shared_steps(report) for report in (prefill, decode or {}))
+        explained = sum((t.get("prefill_compute_ms") or 0.0) + own_read_ms(role, t) for role, t in timed.items())
+        shared = any(shared_steps(report) for report in (prefill, decode or {}))
         costs.observe_turn(choice, actual, explained, shared)
         if self.prefill_round_trip_s:
             costs.prefill_request_ms.add(self.prefill_round_trip_s * 1e3)
-        prompt_tokens = paths.reported_prompt_tokens(decode)
+        prompt_tokens = reported_prompt_tokens(decode)
         known_bytes, known_tokens = self.known_history()
-        costs.observe_prompt(self.prompt_size, prompt_tokens, known_bytes, known_tokens)
+        costs.tokens.observe_prompt(self.prompt_size, prompt_tokens, known_bytes, known_tokens)
         if self.counted_tokens is not None and prompt_tokens:
             if known_tokens:
-                costs.observe_added(prompt_tokens - known_tokens, self.counted_tokens)
+                costs.tokens.observe_added(prompt_tokens - known_tokens, self.counted_tokens)
             else:
-                costs.observe_template(prompt_tokens, self.counted_tokens, len(self.body["messages"]))
+                costs.tokens.observe_template(prompt_tokens, self.counted_tokens, len(self.body["messages"]))
         costs.observe_reuse(known_tokens, (decode or {}).get("prompt_tokens_cached") or 0)
         predicted = choice.predicted_ms[choice.path]
         if actual > 0:
@@ -179,7 +172,7 @@ class Turn(Streaming):
         """Call a prefill worker; returns (its JSON, its URL). Retries another P, and once without reuse."""
         router = self.router
         tried: set[str] = set()
-        lease = self.entry.kv_params if self.entry and self.choice.path == paths.PULL else None
+        lease = self.entry.kv_params if self.entry and self.choice.path == costmodel.PULL else None
         failed: Reply | None = None  # the last 5xx, passed on when no worker is left to try
         while True:
             worker = router.prefill.least_loaded(tried)
@@ -236,7 +229,7 @@ class Turn(Streaming):
             if worker is None:
                 router.metrics.requests.labels("decode_error").inc()
                 return error_response(503, "no decode worker is available")
-            on_decode = self.choice is not None and self.choice.path == paths.COMPUTE_ON_DECODE
+            on_decode = self.choice is not None and self.choice.path == costmodel.COMPUTE_ON_DECODE
             claim = router.decode.claim(worker, self.choice.work_ms if on_decode else 0.0)
             try:
                 response = await self.send(*self.decode_request(worker, d_body))

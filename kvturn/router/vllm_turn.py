@@ -17,14 +17,15 @@ from kvturn.errors import error_body, error_response
 from kvturn.router import vllm_reuse
 from kvturn.router.conversations import Conversation
 from kvturn.router.fast_json import checked_ids, cut_int_list, dumps, encode_with, ids_text, loads
-from kvturn.router.turn import Turn, UpstreamError, answer_object
+from kvturn.router.answers import answer_object
+from kvturn.router.turn import Turn, UpstreamError
 from kvturn.router.upstream import Reply, Stream, Unreachable
 from kvturn.router.vllm_backend import endpoint
 from kvturn.router.vllm_params import PREFILL_STUB, params_for_prefill, stored_params
 from kvturn.router.vllm_retention import retain_streamed_turn
 from kvturn.router.work_clock import WorkClock
 from kvturn.router.workers import Claim
-from kvturn.server.openai import choice_text
+from kvturn.router.answers import choice_text
 
 log = logging.getLogger("kvturn.router")
 FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends

@@ -92,7 +92,7 @@ class WorkerPool:
 
     @staticmethod
     def claim(worker: WorkerState, work_ms: float = 0.0) -> Claim:
-        """`work_ms`: the compute and transfer the request is predicted to cost the worker (see paths.py)."""
+        """`work_ms`: the compute and transfer the request is predicted to cost the worker (see kvturn/costmodel/paths.py)."""
         worker.in_flight += 1
         claim = Claim(worker)
         if work_ms > 0:

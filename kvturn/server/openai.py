@@ -110,13 +110,5 @@ def choice(chat: bool, text: str, finish_reason: str | None, delta: bool, logpro
             "finish_reason": finish_reason}
 
 
-def choice_text(choice: dict, chat: bool, delta: bool) -> str | None:
-    """The text of a choice as `choice` makes it (and any OpenAI server): a chat message's or stream delta's
-    content, or a completion's text."""
-    if not chat:
-        return choice.get("text")
-    return (choice.get("delta" if delta else "message") or {}).get("content")
-
-
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

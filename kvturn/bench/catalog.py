@@ -1,0 +1,94 @@
+"""The catalog of what `kvturn bench --compare` runs and `kvturn plan` simulates: the deployment legs (colocated;
+P/D without bidirectional transfer; P/D with it; each P/D leg with P's prefix cache on, the production baseline,
+and off, the cache-miss emulation of vLLM's published run; the three paths of a turn with a live lease) and the
+scenarios, each a workload plus the deployment settings it needs, including the cases where reuse cannot or
+should not help."""
+from dataclasses import dataclass, field
+
+from kvturn.bench import workload
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    name: str
+    mode: str
+    bidirectional: bool
+    prefix_caching_on_prefill: bool
+    path_policy: str = "pull"  # what the router does with a live lease (see `kvturn router --path-policy`)
+
+
+LEGS = {
+    "colocated": Leg("colocated", "colocated", False, True),
+    "pd/P-cache-on": Leg("pd/P-cache-on", "pd", False, True),
+    "pd/P-cache-off": Leg("pd/P-cache-off", "pd", False, False),
+    "bidir/P-cache-on": Leg("bidir/P-cache-on", "pd", True, True),
+    "bidir/P-cache-off": Leg("bidir/P-cache-off", "pd", True, False),
+    # The three paths of a turn with a live lease, P's cache off so that every path is real.
+    "pull": Leg("pull", "pd", True, False, "pull"),
+    "compute-on-D": Leg("compute-on-D", "pd", True, False, "compute_on_decode"),
+    "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
+}
+PATH_LEGS = ("pull", "compute-on-D", "adaptive")
+
+
+@dataclass(slots=True)
+class Scenario:
+    """A named workload plus the deployment settings it needs."""
+    name: str
+    description: str
+    sessions: int = 1
+    decode_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
+
+
+SCENARIOS = {
+    "sweep": Scenario("sweep", "one session per first-turn length, fixed new and answer tokens per turn"),
+    "no-reuse": Scenario("no-reuse", "independent single-turn requests: nothing to reuse, retention is pure cost",
+                         sessions=2),
+    # a worker refuses a lease shorter than the margin at which reads of it are declined (5 s by default)
+    "resume-after-ttl": Scenario("resume-after-ttl", "the gap between turns outlasts the 4 s decode lease",
+                                 decode_args=["--decoder-kv-blocks-ttl-s", "4"],
+                                 worker_args=["--kv-expiry-margin-s", "1"]),
+    "edited-history": Scenario("edited-history", "from turn 3 the agent rewrites its first user message: only "
+                                                 "the prefix before the edit is reusable"),
+    "short-turns": Scenario("short-turns", "short prompts and answers: reusable tokens stay below the threshold"),
+    "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
+    "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
+                                         "16-64 answer tokens a turn, eight sessions at once", sessions=8),
+}
+
+
+def build_workload(scenario: str, source: workload.TextSource, seed: int, max_prompt_tokens: int,
+                   turns: int) -> list[workload.Conversation]:
+    if scenario == "sweep":
+        lengths = [n for n in (1024, 2048, 4096, 8192, 16384, 24576) if n <= max_prompt_tokens] or [max_prompt_tokens]
+        return workload.sweep(source, seed, lengths, turns=turns, new_tokens=150, answer_tokens=32)
+    if scenario == "no-reuse":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2000},
+                                      num_turns=1, new_tokens=150, answer_tokens=32)
+        return workload.synthetic(spec, source, seed, "single")
+    if scenario == "resume-after-ttl":
+        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=3, new_tokens=150,
+                                      answer_tokens=32, gap_s=6.0)
+        return workload.synthetic(spec, source, seed, "resume")
+    if scenario == "edited-history":
+        conversations = workload.synthetic(workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=turns,
+                                                                  new_tokens=150, answer_tokens=32), source, seed, "edit")
+        for conv in conversations:
+            for turn in conv.turns[2:3]:
+                turn.edit_history = True
+        return conversations
+    if scenario == "short-turns":
+        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=24, num_turns=turns, new_tokens=12, answer_tokens=8)
+        return workload.synthetic(spec, source, seed, "short")
+    if scenario == "concurrent":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2500},
+                                      num_turns=turns, new_tokens=150, answer_tokens=32)
+        return workload.synthetic(spec, source, seed, "concurrent")
+    if scenario == "agent-loop":
+        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 2000, "max": 5000},
+                                      num_turns=turns + 4,
+                                      new_tokens={"distribution": "uniform", "min": 50, "max": 400},
+                                      answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
+        return workload.synthetic(spec, source, seed, "agent")
+    raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

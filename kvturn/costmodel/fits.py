@@ -1,0 +1,163 @@
+"""The fits the cost model is made of, shared by the router's online model and the planner's calibration: least
+squares with no negative cost, a prefill compute fit over (new tokens, context), and robust running values."""
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MIN_SAMPLES = 4
+FORGET = 0.97  # a compute fit weighs its earlier samples down by this at each new one (~30 recent samples count)
+OUTLIER = 4.0  # a compute sample counts at most this many times above or below the fit's own prediction
+PRIOR = (5.0, 0.1, 0.08, 0.015)  # ComputeFit's (a, b, c, q) for a small model on a CPU core, until measured
+# A worker's start-up steps each count as CALIBRATION_WEIGHT requests (timed alone, the best of two), from at most
+# CALIBRATION_WORKERS workers of a role and MAX_CALIBRATION_STEPS steps each: 2 x 5 x 4 = 40 with kvturn's five,
+# about what the last ~30 requests weigh; each measured request then decays them by FORGET.
+CALIBRATION_WEIGHT = 4.0
+CALIBRATION_WORKERS = 2
+MAX_CALIBRATION_STEPS = 8
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.ndarray:
+    """Least squares of y on the columns `active` of x, the most negative coefficient dropped and the rest refitted
+    until none is negative; every column's coefficient, zero where dropped."""
+    active = list(active)
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (solution >= 0).all():
+            break
+        active.pop(int(np.argmin(solution)))
+    coefficients = np.zeros(x.shape[1])
+    coefficients[active] = solution
+    return coefficients
+
+
+def relative_nonnegative_fit(x: np.ndarray, ms: np.ndarray) -> np.ndarray:
+    """Coefficients of every column of x fitted to `ms` by least relative squares (each sample's error as a share of
+    its time, so that a few long prompts do not decide the cost of the many short ones), none negative."""
+    return nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(x.shape[1])))
+
+
+def plausible_step_ms(ms: float, tokens: int) -> bool:
+    """Whether a step that computed `tokens` could have taken `ms`: between 10 ns and 10 s a token."""
+    return tokens > 0 and 1e-5 <= ms / tokens <= 1e4
+
+
+def calibration_step(step) -> tuple[int, int, float] | None:
+    """(new tokens, context, ms) of one step of a worker's start-up calibration, or None for anything that is not
+    a plausible measurement: whole token counts, a finite time, between 10 ns and 10 s a token."""
+    if not isinstance(step, dict):
+        return None
+    n, context, ms = step.get("new_tokens"), step.get("context_tokens"), step.get("ms")
+    if type(n) is not int or type(context) is not int or type(ms) not in (int, float) or not math.isfinite(ms):
+        return None
+    if 0 < n <= 2**20 and 0 <= context <= 2**24 and plausible_step_ms(ms, n):
+        return n, context, float(ms)
+    return None
+
+
+class ComputeFit:
+    """ms to compute `n` new tokens after `context` cached ones: a + b*n + c*n*context + q*n*n/2. The last two are
+    attention: the new tokens' reads of the cached context (through the block table, dearer per pair than) the
+    new tokens' causal attention among themselves, so that one fit covers a prompt computed from scratch and a
+    few hundred tokens on top of a long retained history. A least-squares fit that weighs recent samples most (a
+    worker's speed changes with what shares its cores), pulled towards the prior (ridge) so that a few samples
+    of one shape cannot make it extrapolate wildly: a run of turns on top of a history teaches q nothing, and q
+    stays near its prior."""
+    SCALE = np.array([1.0, 1e3, 1e4, 1e4])  # typical size of each term, so the pull is alike for all four
+    RIDGE = 0.03  # weak: the samples of one run span too few shapes to outvote a stronger pull to the prior
+
+    def __init__(self, prior: tuple[float, ...]):
+        """`prior`: (a, b, c, q), or (a, b, k) for a + b*n + k*n*(context + n/2), that is c = q = k."""
+        if len(prior) == 3:
+            prior = (*prior, prior[2])
+        self.samples = 0
+        self.measured = 0  # samples of requests, not of a worker's start-up calibration
+        self.prior = np.array(prior, dtype=float)
+        self.coefficients = self.prior.copy()
+        self._stale = False
+        # The normal equations, decayed by FORGET at each sample: a turn's choice solves a 4x4 system instead of
+        # refitting every sample (which cost the router ~1 ms a turn at 256 samples).
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
+
+    @staticmethod
+    def terms(new_tokens: int, context: int) -> np.ndarray:
+        """The four terms the coefficients (a, b, c, q) multiply; kvturn/plan fits the same."""
+        return np.array([1.0, float(new_tokens), new_tokens * context / 1e3, new_tokens * new_tokens / 2e3])
+
+    def add(self, new_tokens: int, context: int, ms: float, calibration: bool = False) -> None:
+        """`calibration`: a step a worker timed at start-up, not a request (it counts as CALIBRATION_WEIGHT)."""
+        if new_tokens > 0 and ms > 0:
+            if self.measured >= MIN_SAMPLES:  # one stalled sample (a swap, a stop) may move the fit only so far
+                expected = self.predict(new_tokens, context)
+                ms = min(max(ms, expected / OUTLIER), expected * OUTLIER)
+            x = self.terms(new_tokens, context) / self.SCALE
+            weight = CALIBRATION_WEIGHT if calibration else 1.0
+            self._gram = FORGET * self._gram + weight * np.outer(x, x)
+            self._moment = FORGET * self._moment + weight * ms * x
+            self.samples += 1
+            self.measured += not calibration
+            self._stale = True
+
+    def adopt_prior(self, samples: list[tuple[int, int, float]]) -> bool:
+        """Make the fit of `samples` (new tokens, context, ms: a worker's start-up calibration) the prior that the
+        fit is pulled towards: least relative squares, no term negative."""
+        if len({(n, context) for n, context, _ in samples}) < len(self.prior):
+            return False
+        x, ms = np.array([self.terms(n, context) for n, context, _ in samples]), np.array([s[2] for s in samples])
+        try:
+            solution = relative_nonnegative_fit(x, ms)
+        except np.linalg.LinAlgError:
+            return False
+        if not np.all(np.isfinite(solution)) or not solution.any():
+            return False
+        self.prior, self._stale = solution, True
+        return True
+
+    @property
+    def calibrated(self) -> bool:
+        return self.samples >= MIN_SAMPLES
+
+    def predict(self, new_tokens: int, context: int) -> float:
+        if self._stale:
+            prior = self.prior * self.SCALE
+            solution = np.linalg.solve(self._gram + self.RIDGE * np.eye(4), self._moment + self.RIDGE * prior)
+            self.coefficients = np.maximum(solution, 0.0) / self.SCALE  # no negative cost per token
+            self._stale = False
+        return float(self.coefficients @ self.terms(new_tokens, context))
+
+
+@dataclass(slots=True)
+class Typical:
+    """The median of the recent values (one slow handshake must not move it). The prior counts as one value
+    for each of the first MIN_SAMPLES that are missing, so that one odd first sample cannot decide alone."""
+    prior: float
+    values: deque = field(default_factory=lambda: deque(maxlen=64))
+    _median: float | None = None  # kept until the next value: a turn's choice reads it several times
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+        self._median = None
+
+    @property
+    def value(self) -> float:
+        if self._median is None:
+            padding = [self.prior] * max(MIN_SAMPLES - len(self.values), 0)
+            self._median = statistics.median([*self.values, *padding])
+        return self._median
+
+
+@dataclass(slots=True)
+class Mean:
+    """A running mean over the recent values, with a prior until there are any."""
+    prior: float
+    values: deque = field(default_factory=lambda: deque(maxlen=128))
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def value(self) -> float:
+        return sum(self.values) / len(self.values) if self.values else self.prior

@@ -1,0 +1,19 @@
+"""A worker's answer as the router reads it: the JSON object it must be, and the text of a choice."""
+from kvturn.router import fast_json
+
+
+def answer_object(content: bytes | str) -> dict | None:
+    """A worker's 200 answer as the JSON object it must be; None if it is anything else."""
+    try:
+        result = fast_json.loads(content)
+    except ValueError:
+        return None
+    return result if isinstance(result, dict) else None
+
+
+def choice_text(choice: dict, chat: bool, delta: bool) -> str | None:
+    """The text of a choice as `choice` makes it (and any OpenAI server): a chat message's or stream delta's
+    content, or a completion's text."""
+    if not chat:
+        return choice.get("text")
+    return (choice.get("delta" if delta else "message") or {}).get("content")
