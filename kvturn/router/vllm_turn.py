@@ -321,7 +321,8 @@ class VLLMTurn(Turn):
         metrics, output = self.vllm.metrics, ids_text(output_ids)
         if kv is not None:
             metrics.streams.labels("stream").inc()
-            retained = vllm_reuse.retained_token_ids(prompt_ids, output, kv.get("remote_num_tokens"))
+            claimed = kv.get("remote_num_tokens") if isinstance(kv, dict) else None  # a broken worker's: not reused
+            retained = vllm_reuse.retained_token_ids(prompt_ids, output, claimed)
             await self.remember_vllm(decode_url, kv, retained, answer)
             return
         metrics.stream_without_kv_params.inc()
