@@ -29,7 +29,7 @@ from kvturn.router.turn import Turn
 from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_workers import VLLMWorkers
-from kvturn.router.work_clock import WorkClock
+from kvturn.router.work_clock import IdleClock, WorkClock
 from kvturn.router.workers import WorkerPool
 
 log = logging.getLogger("kvturn.router")
@@ -243,6 +243,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         conversation, history = await router.conversation(body, request, chat, scope)
         backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
+        if not backend.reports_own_work:
+            work = IdleClock()
         return await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
 
     return app

@@ -12,6 +12,7 @@ class TurnBackend:
     computes_on_decode = False  # the path skips P: D computes the new tokens on the history it retained
     prefill_work_ms = 0.0  # the work the turn is predicted to cost P (workers.WorkerPool.claim)
     decode_work_ms = 0.0  # ...and D
+    reports_own_work = False  # the turn's work clock is read (observe_work, report): else an idle one stands in
 
     def __init__(self, turn):
         self.turn = turn

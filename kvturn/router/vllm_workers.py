@@ -24,6 +24,8 @@ FINISHED_WITH_RETENTION = ("length", "stop")  # vLLM retains only these ends
 
 
 class VLLMWorkers(TurnBackend):
+    reports_own_work = True
+
     def __init__(self, turn):
         super().__init__(turn)
         self.vllm = turn.router.vllm
