@@ -13,7 +13,8 @@ request, so a test can change it between requests:
     {"record": true,          append every POST (path and body) to LOG as one JSON line
      "fail_reads": 500,       answer this status to a prefill asked to read a decode worker's blocks (vLLM's P with
                               kv_load_failure_policy=fail when the handle expired or D is unreachable)
-     "stream_kv_params": true, a streamed decode's last chunk carries kv_transfer_params (vLLM after 0.32)
+     "stream_kv_params": true, a streamed decode's last chunk carries kv_transfer_params (vLLM after 0.32); any other
+                              value is sent as the params instead (a broken worker)
      "garbled_decode": true}  a decode answers 200 with a body that is not JSON (a broken worker or proxy)
 """
 import itertools
@@ -99,10 +100,11 @@ def build_app(port: int, config_path: Path, log_path: Path, model_dir: Path):
             if chat:
                 result["prompt_token_ids"] = ids
             return Response(json.dumps(result, separators=COMPACT), media_type="application/json")
-        return StreamingResponse(stream(ids, answer, kv if script.get("stream_kv_params") else None, chat),
+        streamed = script.get("stream_kv_params")
+        return StreamingResponse(stream(ids, answer, kv if streamed is True else streamed, chat),
                                  media_type="text/event-stream")
 
-    def stream(ids: list[int], answer: list[int], kv: dict | None, chat: bool):
+    def stream(ids: list[int], answer: list[int], kv, chat: bool):
         def chunk(piece: str, choice: dict, **extra) -> str:
             choice = {"index": 0, **({"delta": {"content": piece}} if chat else {"text": piece}), **choice}
             return f"data: {json.dumps({'id': 'chatcmpl-fake', 'choices': [choice], **extra}, separators=COMPACT)}\n\n"

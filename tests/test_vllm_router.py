@@ -1,5 +1,6 @@
 """kvturn's router in front of vLLM workers, with fake vLLM workers (tests/fake_vllm.py) that answer at once in
 vLLM's shapes: what the router does around them, without vLLM's venv (`make test-vllm` runs the real thing)."""
+import json
 from contextlib import contextmanager
 
 import httpx
@@ -121,3 +122,20 @@ def test_a_streamed_turn_is_retained_for_the_next_and_the_router_reports_its_own
     assert second["kvturn"]["reuse"] == "passed" and second["kvturn"]["tokens_passed"] > 0
     assert retention_calls == 1 and own_work_turns == 2
     assert 0 < second["kvturn"]["timing"]["router_cpu_ms"] and 0 < second["kvturn"]["timing"]["router_ms"]
+
+
+def test_a_stream_whose_params_are_not_an_object_still_ends_cleanly_and_leaves_nothing_to_reuse(workers, tmp_path):
+    _, decode = workers
+    decode.configure({"record": True, "stream_kv_params": "not an object"})
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, user_message(0)]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "stream": True, "conversation_id": "conv-junk"}
+    with router(workers, tmp_path) as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        answered = metric(url, "kvturn_router_requests_total", '{outcome="ok"}')
+        messages += [{"role": "assistant", "content": "".join(
+            (json.loads(e[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or "" for e in events[:-1])},
+            user_message(1)]
+        second = send(url, messages, "conv-junk", stream=False)
+    assert events[-1] == "data: [DONE]" and answered == 1
+    assert second["kvturn"]["reuse"] == "no_params"

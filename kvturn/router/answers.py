@@ -1,4 +1,7 @@
-"""A worker's answer as the router reads it: the JSON object it must be, and the text of a choice."""
+"""A worker's answer as the router reads it: the JSON object it must be, the text of a choice, and what a decode
+worker's answer leaves for the next turn."""
+from dataclasses import dataclass
+
 from kvturn.router import fast_json
 
 
@@ -17,3 +20,13 @@ def choice_text(choice: dict, chat: bool, delta: bool) -> str | None:
     if not chat:
         return choice.get("text")
     return (choice.get("delta" if delta else "message") or {}).get("content")
+
+
+@dataclass(slots=True)
+class DecodeAnswer:
+    """What a decode worker answered, as the turn keeps it for the conversation's next turn."""
+    decode_url: str
+    text: str | None
+    kv: dict | None  # its kv_transfer_params: what it retained for the next turn
+    streamed: bool
+    finish_reason: str | None = None

@@ -24,11 +24,12 @@ from kvturn.router.conversations import ConversationTable
 from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
+from kvturn.router.kvturn_workers import KvturnWorkers
 from kvturn.router.turn import Turn
 from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
-from kvturn.router.vllm_turn import VLLMTurn
-from kvturn.router.work_clock import WorkClock
+from kvturn.router.vllm_workers import VLLMWorkers
+from kvturn.router.work_clock import IdleClock, WorkClock
 from kvturn.router.workers import WorkerPool
 
 log = logging.getLogger("kvturn.router")
@@ -69,7 +70,7 @@ class Router:
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
-        self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (Turn.view)
+        self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (turn_costs.py)
         self.text_tokens: keys.TextTokens | None = None  # ...and its messages' texts, each counted once
         if config.tokenizer_dir:
             from kvturn.model.tokenizer import ChatTokenizer
@@ -241,8 +242,9 @@ def create_app(config: RouterConfig) -> FastAPI:
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         conversation, history = await router.conversation(body, request, chat, scope)
-        if router.vllm.serves(router.prefill.workers):
-            return await VLLMTurn(router, path, chat, body, conversation, history, want_kv, work=work).run()
-        return await Turn(router, path, chat, body, conversation, history, want_kv).run()
+        backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
+        if not backend.reports_own_work:
+            work = IdleClock()
+        return await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
 
     return app

@@ -69,9 +69,9 @@ def _message_bytes(message) -> bytes:
     return json.dumps(pair, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
 
 
-# Prompts the router counts with the model's tokenizer (Turn.text_tokens): longer text, or more messages, is
-# estimated from its bytes instead, since counting (~6 ms for 32 KiB of English, one call a message) holds the
-# event loop.
+# Prompts the router counts with the model's tokenizer (turn_costs.TurnCosts.text_tokens): longer text, or more
+# messages, is estimated from its bytes instead, since counting (~6 ms for 32 KiB of English, one call a message)
+# holds the event loop.
 MAX_COUNTED_BYTES = 32_768
 MAX_COUNTED_MESSAGES = 64
 

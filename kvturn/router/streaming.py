@@ -1,8 +1,8 @@
-"""A turn's streamed answer: P's first token sent ahead where it may be, then the decode worker's stream relayed
-to the client as it comes, with the lease D returns at the end remembered for the next turn.
+"""A turn's streamed answer: P's first token sent ahead where the backend allows it, then the decode worker's stream
+relayed to the client as it comes, with the lease D returns at the end remembered for the next turn.
 
-`Streaming` is a part of `turn.Turn` (and of the vLLM turn, which overrides the relay); it uses the turn's
-state (body, router, claims) and its `open_decode`, `remember` and `merged_kvturn`.
+`Streaming` is a part of `turn.Turn`; it uses the turn's state (body, router, backend, work clock) and its
+`open_decode`, `learn_and_trace` and `waiting`.
 """
 import json
 import logging
@@ -13,11 +13,10 @@ from starlette.background import BackgroundTask
 
 from kvturn.errors import error_body
 from kvturn.router import fast_json
+from kvturn.router.answers import DecodeAnswer, choice_text
 from kvturn.router.first_token import FirstToken, FirstTokenMismatch
 from kvturn.router.upstream import Stream, Unreachable
-from kvturn.router.vllm_backend import KVTURN
 from kvturn.router.workers import Claim
-from kvturn.router.answers import choice_text
 
 log = logging.getLogger("kvturn.router")
 
@@ -35,16 +34,16 @@ def stream_error(content: bytes, status: int, message: str = "the decode worker 
 
 class Streaming:
     async def stream_decode(self, d_body: dict) -> Response:
-        router = self.router
-        first = FirstToken.from_prefill(self.body, self.prefill, self.chat) if self.prefill else None
-        decoders = router.decode.healthy()
-        if first is not None and decoders and all(w.backend == KVTURN for w in decoders):  # vLLM samples its own
+        first = self.backend.first_token()
+        if first is not None:
             events = self.stream_after_first_token(first, d_body)
+            self.work.pause()  # until the stream's next line: Starlette starts the response meanwhile
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose))
         opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
             return opened
         claim, response = opened
+        self.work.pause()
         return StreamingResponse(self.relay(claim, response), media_type="text/event-stream",
                                  background=BackgroundTask(self.close_stream, claim, response))
 
@@ -53,8 +52,10 @@ class Streaming:
         decode worker that cannot be reached or refuses shows as an error event in the stream."""
         yield first.events()
         self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
+        self.work.resume()
         opened = await self.open_decode(d_body)
         if isinstance(opened, Response):
+            self.work.pause()
             yield stream_error(opened.body, opened.status_code)
             return
         claim, response = opened
@@ -73,23 +74,36 @@ class Streaming:
         await response.close()
 
     async def relay(self, claim: Claim, response: Stream, first: FirstToken | None = None):
-        router, worker_url = self.router, claim.worker.url
-        answer, kv, finished, last_token_at = [], None, False, None
+        """D's stream, event by event, to the client; the work clock runs only between reading a line and
+        handing its event on."""
+        router, backend, worker_url = self.router, self.backend, claim.worker.url
+        answer, kv, finish_reason, finished, last_token_at = [], None, None, False, None
+        lines = response.lines()
         try:
-            async for line in response.lines():
+            while True:
+                try:
+                    line = await anext(lines)
+                except StopAsyncIteration:
+                    break
+                self.work.resume()
                 if not line.startswith("data: "):
+                    self.work.pause()
                     continue
                 payload = line[6:]
                 if payload == "[DONE]":
                     # Record the lease before the last write: a client may hang up right after [DONE].
                     finished = True
-                    await self.remember(worker_url, kv, "".join(answer))
+                    await backend.remember(DecodeAnswer(worker_url, "".join(answer), kv, streamed=True,
+                                                        finish_reason=finish_reason))
                     router.metrics.requests.labels("ok").inc()
+                    backend.observe_work()
+                    self.work.pause()
                     yield "data: [DONE]\n\n"
                     continue
-                chunk = fast_json.loads(payload)
+                chunk = backend.read_chunk(payload)
                 for choice in chunk.get("choices") or []:
                     answer.append(choice_text(choice, self.chat, delta=True) or "")
+                    finish_reason = choice.get("finish_reason") or finish_reason
                 now = time.perf_counter()
                 if answer and answer[-1]:
                     claim.work_done()  # D has computed the prompt (a chat stream's first chunk only names the role)
@@ -101,10 +115,15 @@ class Streaming:
                 if "kv_transfer_params" in chunk:
                     kv = chunk["kv_transfer_params"] if self.want_kv else chunk.pop("kv_transfer_params")
                 if first is not None and not first.trim(chunk):
+                    self.work.pause()
                     continue
-                if "kvturn" in chunk:
-                    chunk["kvturn"] = self.merged_kvturn(chunk["kvturn"], worker_url)
-                yield b"data: %s\n\n" % fast_json.dumps(chunk)
+                backend.strip_ids(chunk)
+                if backend.reports_on(chunk, finish_reason):
+                    learned = self.learn_and_trace(chunk.get("kvturn"))
+                    chunk["kvturn"] = backend.report(chunk.get("kvturn"), worker_url, learned)
+                event = b"data: %s\n\n" % fast_json.dumps(chunk)
+                self.work.pause()
+                yield event
         except (Unreachable, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
             yield stream_error(b"", 503)
@@ -113,6 +132,7 @@ class Streaming:
                       worker_url)
             yield stream_error(b"", 500, "the decode worker's answer does not continue the first token sent")
         finally:
+            self.work.pause()
             await self.end_relay(claim, response, finished)
 
     async def end_relay(self, claim: Claim, response: Stream, finished: bool) -> None:

@@ -34,3 +34,17 @@ class WorkClock:
             wall += time.perf_counter() - self._wall
             cpu += time.thread_time() - self._cpu
         return wall * 1e3, cpu * 1e3
+
+
+class IdleClock(WorkClock):
+    """The clock of a turn whose own work nobody reads (kvturn's workers): pausing costs nothing per streamed token."""
+
+    def __init__(self):
+        self.wall_s = self.cpu_s = 0.0
+        self._running = False
+
+    def resume(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
