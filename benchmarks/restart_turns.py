@@ -29,12 +29,16 @@ from kvturn.model.make_model import default_model_dir
 from kvturn.model.tokenizer import ChatTokenizer
 
 
-def prefill_pid(serve_pid: int) -> int:
+def prefill_pid(serve_pid: int) -> int | None:
+    """serve's prefill worker (None between its death and its restart)."""
     for task in os.listdir(f"/proc/{serve_pid}/task"):
         for child in Path(f"/proc/{serve_pid}/task/{task}/children").read_text().split():
-            if b"--role\0prefill" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    raise RuntimeError("serve has no prefill worker")
+            try:
+                if b"--role\0prefill" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return int(child)
+            except OSError:
+                continue
+    return None
 
 
 async def session(client, url: str, model: str, conv, args, started: float, turns: list[dict]) -> None:
@@ -65,6 +69,13 @@ async def session(client, url: str, model: str, conv, args, started: float, turn
         await asyncio.sleep(args.think_s)
 
 
+async def answers(client, url: str) -> bool:
+    try:
+        return (await client.get(f"{url}/health", timeout=2)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def run(args, url: str, serve_pid: int, conversations) -> tuple[list[dict], dict]:
     turns: list[dict] = []
     kill: dict = {}
@@ -77,9 +88,10 @@ async def run(args, url: str, serve_pid: int, conversations) -> tuple[list[dict]
             pid = prefill_pid(serve_pid)
             os.kill(pid, signal.SIGKILL)
             kill.update(pid=pid, at_s=round(time.monotonic() - started, 1))
-            while (await client.get(f"{url}/health")).status_code != 200 or prefill_pid(serve_pid) == pid:
+            prefill_url = (await client.get(f"{url}/health")).json()["prefill"][0]
+            while prefill_pid(serve_pid) in (None, pid) or not await answers(client, prefill_url):
                 await asyncio.sleep(0.25)
-            kill["router_healthy_again_after_s"] = round(time.monotonic() - started - kill["at_s"], 1)
+            kill["prefill_back_after_s"] = round(time.monotonic() - started - kill["at_s"], 1)
 
         await asyncio.gather(killer(), *(session(client, url, model, conv, args, started, turns)
                                           for conv in conversations))
@@ -116,15 +128,16 @@ def main() -> None:
     finally:
         stop(serve, timeout_s=60)
     log_dir = re.search(r"logs in (\S+)", "".join(output)).group(1)
-    around = [t for t in turns if t["sent_s"] <= kill["at_s"] + 1 and t["sent_s"] + t["latency_s"] >= kill["at_s"]]
+    back_s = kill["at_s"] + kill.get("prefill_back_after_s", float("inf"))
+    around = [t for t in turns if t["sent_s"] <= back_s and t["sent_s"] + t["latency_s"] >= kill["at_s"]]
     summary = {"sessions": args.sessions, "think_s": args.think_s, "kill": kill, "turns": len(turns),
                "lost": sum(t["lost"] for t in turns), "retried": sum(t["attempts"] > 1 for t in turns),
-               "turns_in_flight_at_the_kill": around,
+               "turns_while_prefill_was_down": around,
                "longest_turn_s": max((t["latency_s"] for t in turns), default=None), "log_dir": log_dir}
     for key in ("kill", "turns", "lost", "retried", "longest_turn_s", "log_dir"):
         print(f"{key:>16}: {summary[key]}")
     for turn in around:
-        print(f"  in flight at the kill: {turn}")
+        print(f"  while prefill was down: {turn}")
     info = machine()
     print(f"machine: {info} (shared with other work: timings are noisy)")
     print(f"wrote {write_json(args.out, {'machine': info, 'summary': summary, 'turns': turns})}")
