@@ -17,7 +17,7 @@ import pytest
 from chat import SYSTEM, metric, send, user_message
 from kvturn.config import SupervisorConfig
 from kvturn.launch import free_port, stop
-from kvturn.supervisor import next_backoff_s
+from kvturn.supervisor import Supervisor, next_backoff_s
 
 DEADLINE_S = 180  # generous: the machine may be loaded; nothing here asserts a duration
 
@@ -68,6 +68,41 @@ def test_backoff_doubles_while_a_process_keeps_exiting_and_starts_over_once_it_r
         waits.append(previous)
     assert waits == [0.5, 1.0, 2.0, 3.0, 3.0]
     assert next_backoff_s(3.0, ran_s=60.0, config=config) == 0.5
+
+
+class Crashing:
+    """The part of LocalStack the supervisor drives, around a real process that exits at once with code 3."""
+
+    def __init__(self, clock):
+        self.clock, self.processes, self.launched_at, self.starts = clock, {}, {}, 0
+        self.respawn("crasher", None)
+
+    def respawn(self, name: str, exited) -> subprocess.Popen:
+        self.starts += 1
+        self.processes[name] = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        self.launched_at[name] = self.clock()
+        return self.processes[name]
+
+    def log_path(self, name: str) -> Path:
+        return Path(f"{name}.log")
+
+
+def test_a_process_that_keeps_exiting_is_restarted_after_doubling_waits():
+    now = [0.0]
+    stack = Crashing(lambda: now[0])
+    supervisor = Supervisor(stack, SupervisorConfig(restart_backoff_s=1.0, restart_backoff_max_s=4.0,
+                                                    restart_settled_s=60.0), clock=lambda: now[0])
+    for expected_wait_s in (1.0, 2.0, 4.0, 4.0):
+        stack.processes["crasher"].wait(timeout=DEADLINE_S)
+        supervisor.tick()  # notices the exit
+        starts = stack.starts
+        now[0] += expected_wait_s - 0.01
+        supervisor.tick()
+        assert stack.starts == starts, "restarted before its backoff was over"
+        now[0] += 0.01
+        supervisor.tick()
+        assert stack.starts == starts + 1
+    assert [(r.exit_code, r.backoff_s) for r in supervisor.restarts] == [(3, 1.0), (3, 2.0), (3, 4.0), (3, 4.0)]
 
 
 class Serve:
