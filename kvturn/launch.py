@@ -18,7 +18,7 @@ import httpx
 from kvturn.config import LOG_FILE_ENV, SupervisorConfig
 
 PR_SET_PDEATHSIG = 1
-LOG_DIRS_KEPT = 50
+LOG_DIRS_KEPT_DAYS = 7
 
 
 def free_port() -> int:
@@ -54,21 +54,22 @@ def _end_with_parent() -> None:
 
 
 def default_log_dir(kind: str) -> Path:
-    """A new folder for one stack's logs, under the kvturn cache (kvturn/model/make_model.cache_dir); only the
-    newest LOG_DIRS_KEPT such folders are kept."""
+    """A new folder for one stack's logs, under the kvturn cache (kvturn/model/make_model.cache_dir). Folders
+    nothing was written to for LOG_DIRS_KEPT_DAYS are removed (never a live stack's, whose processes write)."""
     from kvturn.model.make_model import cache_dir
     root = cache_dir() / "logs"
     root.mkdir(parents=True, exist_ok=True)
-    for old in sorted(root.iterdir(), key=_mtime)[:-LOG_DIRS_KEPT]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in root.iterdir():
+        if time.time() - _last_written(old) > LOG_DIRS_KEPT_DAYS * 86_400:
+            shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))
 
 
-def _mtime(path: Path) -> float:
+def _last_written(folder: Path) -> float:
     try:
-        return path.stat().st_mtime
-    except OSError:  # another run pruned it meanwhile
-        return 0.0
+        return max([folder.stat().st_mtime, *(path.stat().st_mtime for path in folder.rglob("*"))])
+    except OSError:  # another run removed it meanwhile
+        return time.time()
 
 
 def start(args: list[str], log_path: Path | None = None, env: dict | None = None,
