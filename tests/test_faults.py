@@ -31,7 +31,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     state = tmp_path_factory.mktemp("state") / "router.sqlite"
     built = LocalStack(tiny_model_dir, num_decode=2, kv_cache_mb=64, log_dir=logs, prefix_caching_on_prefill=False,
                        worker_args=["--side-channel-timeout-s", "2"], env={"KVTURN_CLUSTER_SECRET": SECRET},
-                       router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1"])
+                       router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1",
+                                    "--no-worker-wait-s", "300"])  # a restart outlasts the default on a busy machine
     with built:
         yield built
 
@@ -104,9 +105,9 @@ def test_a_turn_waits_for_a_killed_prefill_worker_and_completes_once_it_is_back(
     answers: queue.Queue = queue.Queue()
     body = {"messages": [user_message(0)], "max_tokens": 4}
     threading.Thread(target=lambda: answers.put(httpx.post(f"{stack.url}/v1/chat/completions", json=body,
-                                                           timeout=120)), daemon=True).start()
+                                                           timeout=300)), daemon=True).start()
     stack.restart("prefill")  # within the router's no_worker_wait_s
-    response = answers.get(timeout=120)
+    response = answers.get(timeout=300)
     assert response.status_code == 200, response.text
 
 
