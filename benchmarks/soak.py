@@ -14,11 +14,12 @@ keys left in Redis are counted against the conversations started. Every run repo
 share of later turns that reused and the router's added latency (the client's TTFT less
 the router's round trip to prefill and decode's own TTFT, both from the response's
 `kvturn.timing`); `--baseline` compares both with a one-router run's JSON.
+
+Nothing fails on purpose here: benchmarks/chaos_soak.py runs sessions while processes die.
 """
 import argparse
 import asyncio
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from rich.table import Table
 
 from kvturn.bench import client, workload
 from kvturn.bench.machine import machine, write_json
-from kvturn.launch import LocalStack, RedisServer, free_port, start, wait_healthy
+from kvturn.launch import LocalStack, RedisServer
 from kvturn.model.make_model import default_model_dir
 from kvturn.model.tokenizer import ChatTokenizer
 from kvturn.router.redis_state import HISTORY_DIGESTS_KEPT
@@ -46,21 +47,6 @@ def peak_rss_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def start_replicas(stack: LocalStack, count: int, logs: Path) -> list[str]:
-    """The stack's router plus count - 1 more with the same arguments on ports of their own."""
-    started = {}
-    for i in range(1, count):
-        args = list(stack.args["router"])
-        port = free_port()
-        args[args.index("--port") + 1] = str(port)
-        name = f"router{i}"
-        stack.args[name], stack.urls[name] = args, f"http://127.0.0.1:{port}"
-        stack.processes[name] = started[name] = start(args, logs / f"{name}.log", stack.env)
-    for name, process in started.items():
-        wait_healthy(stack.urls[name], process)
-    return [stack.url] + [stack.urls[name] for name in started]
 
 
 def redis_keys(url: str) -> dict[str, int]:
@@ -101,14 +87,14 @@ def main() -> None:
     console = Console(width=140)
     redis_server = RedisServer().start() if use_redis else None
     try:
-        with tempfile.TemporaryDirectory() as scratch, LocalStack(
-                model_dir, kv_cache_mb=args.kv_cache_mb, log_dir=args.log_dir or Path(scratch),
-                prefix_caching_on_prefill=not args.no_prefix_caching_on_prefill,
-                decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)],
-                router_args=["--state", redis_server.url] if redis_server else []) as stack:
-            urls = start_replicas(stack, args.routers, stack.log_dir)
+        with LocalStack(model_dir, kv_cache_mb=args.kv_cache_mb, log_dir=args.log_dir, num_routers=args.routers,
+                        prefix_caching_on_prefill=not args.no_prefix_caching_on_prefill,
+                        decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)],
+                        router_args=["--state", redis_server.url] if redis_server else []) as stack:
+            urls = stack.router_urls
             console.print(f"soak: {args.sessions} sessions for {args.duration_s:.0f} s against {len(urls)} "
-                          f"router(s) {urls} ({'Redis' if redis_server else 'in-memory'} conversation table)")
+                          f"router(s) {urls} ({'Redis' if redis_server else 'in-memory'} conversation table); "
+                          f"logs in {stack.log_dir}")
             result = asyncio.run(client.run(urls, conversations, sessions=args.sessions, seed=args.seed,
                                             duration_s=args.duration_s))
             rss = {name: peak_rss_mib(p.pid) for name, p in stack.processes.items()}

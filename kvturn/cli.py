@@ -5,7 +5,7 @@ from typing import Optional
 
 import typer
 
-from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig,
+from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig, SupervisorConfig,
                            WorkerConfig, default_of, help_of)
 
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
@@ -127,6 +127,7 @@ def router(
     discover: Optional[str] = option(RouterConfig, "discover_url", "--discover"),
     max_in_flight_per_decode: int = option(RouterConfig, "max_in_flight_per_decode"),
     upstream_timeout_s: float = option(RouterConfig, "upstream_timeout_s"),
+    no_worker_wait_s: float = option(RouterConfig, "no_worker_wait_s"),
     health_interval_s: float = option(RouterConfig, "health_interval_s"),
     max_body_mb: int = option(RouterConfig, "max_body_mb"),
     cluster_secret: Optional[str] = option(RouterConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
@@ -149,7 +150,8 @@ def router(
                    conversation_ttl_s=conversation_ttl_s, max_conversations=max_conversations,
                    state_path=state or None, discover_url=discover or None,
                    max_in_flight_per_decode=max_in_flight_per_decode,
-                   upstream_timeout_s=upstream_timeout_s, health_interval_s=health_interval_s, max_body_mb=max_body_mb,
+                   upstream_timeout_s=upstream_timeout_s, no_worker_wait_s=no_worker_wait_s,
+                   health_interval_s=health_interval_s, max_body_mb=max_body_mb,
                    cluster_secret=cluster_secret or None, api_keys=api_key, path_policy=path_policy,
                    stall_weight=stall_weight, backend=backend, tokenizer_dir=tokenizer or None,
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
@@ -173,39 +175,65 @@ def serve(
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     path_policy: str = option(RouterConfig, "path_policy"),
-    log_dir: Optional[Path] = typer.Option(None, help="write each process's log here"),
+    no_worker_wait_s: float = option(RouterConfig, "no_worker_wait_s"),
+    log_dir: Optional[Path] = typer.Option(None, help="write each process's log here (default: a new folder under "
+                                                      "the kvturn cache, $KVTURN_CACHE_DIR/logs, printed at start)"),
+    restart: bool = option(SupervisorConfig, "restart", "--restart/--no-restart"),
+    restart_backoff_s: float = option(SupervisorConfig, "restart_backoff_s"),
+    restart_backoff_max_s: float = option(SupervisorConfig, "restart_backoff_max_s"),
+    restart_settled_s: float = option(SupervisorConfig, "restart_settled_s"),
     pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill worker on half of this machine's cores, "
                                      "decode worker on the other half, as on machines of their own"),
 ):
-    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack;
-    Ctrl-C stops them all."""
+    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack.
+    Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM stops them all."""
     import signal
     import time
 
-    from kvturn.launch import LocalStack
+    from kvturn.launch import LocalStack, default_log_dir
+    supervisor = build(SupervisorConfig, restart=restart, restart_backoff_s=restart_backoff_s,
+                       restart_backoff_max_s=restart_backoff_max_s, restart_settled_s=restart_settled_s)
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)]
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
+                   *(a for key in api_key for a in ("--api-key", key))]
+    log_dir = log_dir or default_log_dir("serve")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging("info")
+    own_log = logging.FileHandler(log_dir / "serve.log")
+    own_log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(own_log)
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                       worker_args=worker_args, decode_args=decode_args,
-                       router_args=["--path-policy", path_policy, *(a for key in api_key for a in ("--api-key", key))],
-                       log_dir=log_dir, base_port=port, pin_workers=pin_workers)
-    stopping = False
+                       worker_args=worker_args, decode_args=decode_args, router_args=router_args,
+                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor)
+    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
+    signalled: list[int] = []
 
-    def shutdown(*_):
-        nonlocal stopping
-        stopping = True
+    def shutdown(signum, _frame):
+        if not signalled:  # the first signal stops the stack; more while it stops must not interrupt that
+            signalled.append(signum)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
-    with stack:
-        typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
-                   f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret set)")
-        while not stopping and all(p.poll() is None for p in stack.processes.values()):
-            time.sleep(0.2)
-        failed = [name for name, p in stack.processes.items() if p.poll() not in (None, 0, -15)]
-    raise typer.Exit(1 if failed and not stopping else 0)
+    failed: list[str] = []
+    try:
+        with stack:
+            typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
+                       f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret "
+                       f"set, restarts {'on' if restart else 'off'})")
+            while not failed:
+                time.sleep(0.2)
+                if not restart:  # nobody restarts a process that exits: stop the others with it
+                    failed = [name for name, p in stack.processes.items() if p.poll() is not None]
+            signalled.append(0)  # stopping now: a signal meanwhile must not cut the stop short
+    except KeyboardInterrupt:
+        if not signalled:
+            raise
+    logging.getLogger("kvturn.serve").info("stopped (%s)", f"{failed} exited" if failed else "signal")
+    raise typer.Exit(1 if failed else 0)
 
 
 @app.command()

@@ -11,6 +11,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # a client sending on the connection at that moment, and the request fails with a disconnect (uvicorn's default
 # is 5 s).
 SERVER_KEEP_ALIVE_S = 75
+LOG_FILE_ENV = "KVTURN_LOG_FILE"  # the file a process's output goes to, set by its launcher (kvturn/launch.py)
 
 
 def is_redis_url(value: str | None) -> bool:
@@ -150,6 +151,9 @@ class RouterConfig:
     max_in_flight_per_decode: int = setting(32, "a conversation's decode worker is skipped above this load")
     health_interval_s: float = setting(2.0, "how often workers are probed, s")
     upstream_timeout_s: float = setting(120.0, "give up on a worker that sends nothing for this long, s")
+    no_worker_wait_s: float = setting(30.0, "a turn that finds no healthy prefill or decode worker (one restarting) "
+                                            "waits this long for one to answer its health probe before it is "
+                                            "answered 503, s (0: at once)")
     cluster_secret: str | None = setting(None, "shared secret the router presents to workers")
     api_keys: list[str] = setting([], "client API key (repeat for several); clients must send "
                                       "'Authorization: Bearer KEY' and see only their own conversations")
@@ -187,6 +191,7 @@ class RouterConfig:
                f"discover_url must be a redis:// URL, got {self.discover_url!r}")
         _positive(self, "conversation_ttl_s", "max_conversations", "max_in_flight_per_decode", "health_interval_s",
                   "upstream_timeout_s", "max_body_mb")
+        _check(self.no_worker_wait_s >= 0, "no_worker_wait_s must be >= 0")
         _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
         _check(self.cluster_secret is None or len(self.cluster_secret) >= 16,
                "cluster_secret must be at least 16 characters")
@@ -196,3 +201,19 @@ class RouterConfig:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.vllm_retention_lease_s > 5, "vllm_retention_lease_s must be above 5 s")
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
+
+
+@dataclass(slots=True)
+class SupervisorConfig:
+    """How `kvturn serve` (any supervised LocalStack) restarts a worker or router that exited."""
+    restart: bool = setting(True, "start a worker or router that exited again, on its port, with its arguments")
+    restart_backoff_s: float = setting(0.5, "wait before restarting a process that exited, s; doubled at each exit "
+                                            "that follows a restart too soon (a crash loop)")
+    restart_backoff_max_s: float = setting(30.0, "longest wait before a restart, s")
+    restart_settled_s: float = setting(60.0, "a process that ran this long before it exited counts as settled: its "
+                                             "restart waits restart_backoff_s again, s")
+
+    def __post_init__(self):
+        _positive(self, "restart_backoff_s", "restart_backoff_max_s", "restart_settled_s")
+        _check(self.restart_backoff_s <= self.restart_backoff_max_s,
+               "restart_backoff_s must be at most restart_backoff_max_s")

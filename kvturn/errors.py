@@ -2,6 +2,7 @@
 route that does not exist, a body no JSON parser should accept, or a bug."""
 import json
 import logging
+import os
 import uuid
 
 import orjson
@@ -9,6 +10,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvturn.config import LOG_FILE_ENV
 
 log = logging.getLogger("kvturn.errors")
 MAX_JSON_DEPTH = 64
@@ -30,6 +33,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content=error_body(status, message, param))
+
+
+def internal_error_message(what: str, request_id: str) -> str:
+    """What a client is told of a failure on our side: enough for an operator to find its traceback, nothing more."""
+    where = os.environ.get(LOG_FILE_ENV) or "this process's log"
+    return f"{what} (request {request_id}; its traceback is in {where})"
 
 
 def _reject_constant(name: str):
@@ -122,4 +131,4 @@ def install_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
         request_id = uuid.uuid4().hex
         logger.error("unhandled error in %s %s (request %s)", request.method, request.url.path, request_id,
                      exc_info=exc)
-        return error_response(500, f"internal error {type(exc).__name__} (request {request_id}; see the log)")
+        return error_response(500, internal_error_message(f"internal error {type(exc).__name__}", request_id))

@@ -9,13 +9,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from kvturn.config import LOG_FILE_ENV, SupervisorConfig
 
 PR_SET_PDEATHSIG = 1
+LOG_DIRS_KEPT_DAYS = 7
 
 
 def free_port() -> int:
@@ -42,26 +45,57 @@ def _ephemeral_start() -> int:
 
 def _end_with_parent() -> None:
     """In the child: have the kernel send SIGTERM when the process that started us dies (Linux), so a killed
-    benchmark or test run leaves no servers behind."""
+    benchmark or test run leaves no servers behind. The kernel ties this to the thread that started the child,
+    so a supervisor's thread must live as long as the processes it starts (kvturn/supervisor.py)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
 
 
+def default_log_dir(kind: str) -> Path:
+    """A new folder for one stack's logs, under the kvturn cache (kvturn/model/make_model.cache_dir). Folders
+    nothing was written to for LOG_DIRS_KEPT_DAYS are removed (never a live stack's, whose processes write)."""
+    from kvturn.model.make_model import cache_dir
+    root = cache_dir() / "logs"
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():
+        if time.time() - _last_written(old) > LOG_DIRS_KEPT_DAYS * 86_400:
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-", dir=root))
+
+
+def _last_written(folder: Path) -> float:
+    try:
+        return max([folder.stat().st_mtime, *(path.stat().st_mtime for path in folder.rglob("*"))])
+    except OSError:  # another run removed it meanwhile
+        return time.time()
+
+
 def start(args: list[str], log_path: Path | None = None, env: dict | None = None,
           cpus: set[int] | None = None) -> subprocess.Popen:
-    """Run `python -m kvturn.cli ARGS` in its own process group; it ends when this process does. With `cpus` it
-    runs on those cores only, one compute thread on each."""
+    """Run `python -m kvturn.cli ARGS` in its own process group; it ends when the thread that started it does. Its
+    output is appended to `log_path`, which it is told (KVTURN_LOG_FILE) so that its internal errors name it. With
+    `cpus` it runs on those cores only, one compute thread on each."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    env = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {})}
+    env = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}),
+           **({LOG_FILE_ENV: str(log_path)} if log_path else {})}
 
     def in_child() -> None:
         _end_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
-    return subprocess.Popen([sys.executable, "-m", "kvturn.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True, preexec_fn=in_child)
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "kvturn.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                   env=env, start_new_session=True, preexec_fn=in_child)
+    finally:
+        if log_path:
+            out.close()  # the child has its own copy
+    if log_path:
+        with open(log_path, "a") as log:  # where each run of the process begins, for a reader of the file
+            log.write(f"--- kvturn launch {time.strftime('%Y-%m-%d %H:%M:%S')}: started `kvturn {args[0]}` "
+                      f"as pid {process.pid}\n")
+    return process
 
 
 def split_cores() -> dict[str, set[int]] | None:
@@ -100,26 +134,36 @@ def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
         process.wait()
 
 
-class LocalStack:
-    """A kvturn deployment on this machine: one colocated worker, or router + prefill + decode workers.
+def replica_name(role: str, index: int) -> str:
+    """prefill, prefill1, ...; router, router1, ...; decode0, decode1, ...: a process's name in a stack and its log."""
+    return f"decode{index}" if role == "decode" else role if index == 0 else f"{role}{index}"
 
-    `url` is what clients talk to (the router, or the colocated worker). The stack is closed by default: its
+
+class LocalStack:
+    """A kvturn deployment on this machine: one colocated worker, or routers + prefill + decode workers.
+
+    `url` is what clients talk to (the first router, or the colocated worker). The stack is closed by default: its
     processes share a cluster secret made for it (or KVTURN_CLUSTER_SECRET from `env`), passed in their
-    environment. With `base_port` the router listens there and the workers on the ports after it. With
-    `pin_workers` prefill workers run on half of the machine's cores and decode workers on the other half.
+    environment. Each process writes NAME.log in `log_dir` (default: a new folder, see default_log_dir). With
+    `base_port` the first router listens there and the workers and other routers on the ports after it. With
+    `pin_workers` prefill workers run on half of the machine's cores and decode workers on the other half. With
+    `supervisor` a process that exits is started again on its port (kvturn/supervisor.py).
     """
 
     def __init__(self, model_dir: str, mode: str = "pd", bidirectional: bool = True,
                  prefix_caching_on_prefill: bool = True, num_decode: int = 1, kv_cache_mb: int = 512,
                  worker_args: list[str] = (), prefill_args: list[str] = (), decode_args: list[str] = (),
                  router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None,
-                 base_port: int | None = None, pin_workers: bool = False):
+                 base_port: int | None = None, pin_workers: bool = False, num_prefill: int = 1, num_routers: int = 1,
+                 supervisor: SupervisorConfig | None = None):
         self.model_dir, self.mode = str(model_dir), mode
         self.bidirectional, self.prefix_caching_on_prefill = bidirectional, prefix_caching_on_prefill
-        self.num_decode, self.kv_cache_mb = num_decode, kv_cache_mb
+        self.num_prefill, self.num_decode, self.num_routers = num_prefill, num_decode, num_routers
+        self.kv_cache_mb = kv_cache_mb
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
-        self.log_dir = log_dir
+        self.log_dir = Path(log_dir) if log_dir else default_log_dir("stack")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), **(env or {})}
         self.cluster_secret = self.env["KVTURN_CLUSTER_SECRET"]
         self.base_port = base_port
@@ -128,15 +172,22 @@ class LocalStack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.urls: dict[str, str] = {}
         self.args: dict[str, list[str]] = {}
+        self.cpus: dict[str, set[int] | None] = {}
+        self.launched_at: dict[str, float] = {}  # name -> when its current process started (time.monotonic)
+        self.supervisor_config = supervisor
+        self.supervisor = None
+        self._lock = threading.Lock()  # one process per name: the supervisor's restarts and ours do not race
 
-    def _log(self, name: str) -> Path | None:
-        if self.log_dir is None:
-            return None
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
     def _port(self) -> int:
         return next(self._worker_ports) if self._worker_ports else free_port()
+
+    def launch(self, name: str, args: list[str], cpus: set[int] | None = None) -> None:
+        self.args[name], self.cpus[name] = args, cpus
+        self.processes[name] = start(args, self.log_path(name), self.env, cpus)
+        self.launched_at[name] = time.monotonic()
 
     def start_worker(self, name: str, role: str, extra: list[str]) -> None:
         port = self._port()
@@ -144,13 +195,15 @@ class LocalStack:
                 "--kv-cache-mb", str(self.kv_cache_mb), *self.worker_args, *extra]
         if self.bidirectional and role != "both":
             args.append("--bidirectional")
-        self.args[name] = args
-        self.processes[name] = start(args, self._log(name), self.env, (self.cores or {}).get(role))
+        self.launch(name, args, (self.cores or {}).get(role))
         self.urls[name] = f"http://127.0.0.1:{port}"
 
     def start(self) -> "LocalStack":
         self.start_worker_processes()
         self.wait_and_start_router()
+        if self.supervisor_config is not None and self.supervisor_config.restart:
+            from kvturn.supervisor import Supervisor
+            self.supervisor = Supervisor(self, self.supervisor_config).start()
         return self
 
     def start_worker_processes(self) -> None:
@@ -158,35 +211,50 @@ class LocalStack:
             self.start_worker("worker", "both", [])
         else:
             prefill_extra = [] if self.prefix_caching_on_prefill else ["--no-prefix-caching"]
-            self.start_worker("prefill", "prefill", prefill_extra + self.prefill_args)
+            for i in range(self.num_prefill):
+                self.start_worker(replica_name("prefill", i), "prefill", prefill_extra + self.prefill_args)
             for i in range(self.num_decode):
-                self.start_worker(f"decode{i}", "decode", self.decode_args)
+                self.start_worker(replica_name("decode", i), "decode", self.decode_args)
 
     def wait_and_start_router(self) -> None:
         for name, url in list(self.urls.items()):
             wait_healthy(url, self.processes[name])
-        if self.mode != "colocated":
-            port = self.base_port or free_port()
-            args = ["router", "--port", str(port), "--prefill", self.urls["prefill"]]
-            for i in range(self.num_decode):
-                args += ["--decode", self.urls[f"decode{i}"]]
-            if not any(arg.split("=")[0] == "--tokenizer" for arg in self.router_args):
-                args += ["--tokenizer", str(self.model_dir)]  # the router counts what each turn adds
-            self.args["router"] = [*args, *self.router_args]
-            self.processes["router"] = start(self.args["router"], self._log("router"), self.env)
-            self.urls["router"] = f"http://127.0.0.1:{port}"
-            wait_healthy(self.urls["router"], self.processes["router"])
+        if self.mode == "colocated":
+            return
+        workers = [arg for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode))
+                   for i in range(count) for arg in (f"--{role}", self.urls[replica_name(role, i)])]
+        if not any(arg.split("=")[0] == "--tokenizer" for arg in self.router_args):
+            workers += ["--tokenizer", str(self.model_dir)]  # the router counts what each turn adds
+        names = [replica_name("router", i) for i in range(self.num_routers)]
+        for i, name in enumerate(names):
+            port = self.base_port if i == 0 and self.base_port else self._port()
+            self.launch(name, ["router", "--port", str(port), *workers, *self.router_args])
+            self.urls[name] = f"http://127.0.0.1:{port}"
+        for name in names:
+            wait_healthy(self.urls[name], self.processes[name])
 
     @property
     def url(self) -> str:
         return self.urls["worker" if self.mode == "colocated" else "router"]
 
+    @property
+    def router_urls(self) -> list[str]:
+        return [self.urls[replica_name("router", i)] for i in range(self.num_routers)]
+
     def restart(self, name: str) -> None:
-        """Start a stopped process again on the same port with the same arguments."""
-        if self.processes[name].poll() is None:
-            stop(self.processes[name])
-        self.processes[name] = start(self.args[name], self._log(name), self.env)
+        """Start a stopped process again on the same port with the same arguments, and wait until it is healthy."""
+        with self._lock:
+            if self.processes[name].poll() is None:
+                stop(self.processes[name])
+            self.launch(name, self.args[name], self.cpus.get(name))
         wait_healthy(self.urls[name], self.processes[name])
+
+    def respawn(self, name: str, exited: subprocess.Popen) -> subprocess.Popen:
+        """Start `name` again in place of `exited`, unless someone did already; its process now."""
+        with self._lock:
+            if self.processes[name] is exited:
+                self.launch(name, self.args[name], self.cpus.get(name))
+            return self.processes[name]
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.processes[name].send_signal(sig)
@@ -194,13 +262,16 @@ class LocalStack:
             self.processes[name].wait(timeout=30)
 
     def stop(self) -> None:
-        for process in reversed(list(self.processes.values())):
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
-                except ProcessLookupError:
-                    pass
-            stop(process)
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        with self._lock:
+            for process in reversed(list(self.processes.values())):
+                if process.poll() is None:
+                    try:
+                        os.killpg(process.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                    except ProcessLookupError:
+                        pass
+                stop(process)
 
     def __enter__(self) -> "LocalStack":
         try:

@@ -1,9 +1,11 @@
 """Failure handling with real processes: killed, stopped and restarted workers, secrets, shutdown."""
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -16,7 +18,7 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import Sequence
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
-from kvturn.launch import LocalStack
+from kvturn.launch import LocalStack, free_port, start, stop
 from kvturn.model.loader import load_model
 
 SECRET = "test-cluster-secret"
@@ -29,7 +31,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     state = tmp_path_factory.mktemp("state") / "router.sqlite"
     built = LocalStack(tiny_model_dir, num_decode=2, kv_cache_mb=64, log_dir=logs, prefix_caching_on_prefill=False,
                        worker_args=["--side-channel-timeout-s", "2"], env={"KVTURN_CLUSTER_SECRET": SECRET},
-                       router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1"])
+                       router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1",
+                                    "--no-worker-wait-s", "300"])  # a restart outlasts the default on a busy machine
     with built:
         yield built
 
@@ -97,20 +100,43 @@ def test_stopped_decode_worker_makes_prefill_recompute(stack):
         stack.kill(victim, signal.SIGCONT)
 
 
-def test_prefill_killed_gives_503_until_it_is_back(stack):
+def test_a_turn_waits_for_a_killed_prefill_worker_and_completes_once_it_is_back(stack):
     stack.kill("prefill", signal.SIGKILL)
-    response = httpx.post(f"{stack.url}/v1/chat/completions", json={"messages": [user_message(0)], "max_tokens": 4},
-                          timeout=30)
-    assert response.status_code == 503 and response.json()["error"]["code"] == 503
-    stack.restart("prefill")
-    deadline = time.monotonic() + 15
+    answers: queue.Queue = queue.Queue()
+    body = {"messages": [user_message(0)], "max_tokens": 4}
+    threading.Thread(target=lambda: answers.put(httpx.post(f"{stack.url}/v1/chat/completions", json=body,
+                                                           timeout=300)), daemon=True).start()
+    stack.restart("prefill")  # within the router's no_worker_wait_s
+    response = answers.get(timeout=300)
+    assert response.status_code == 200, response.text
+
+
+def test_a_turn_that_finds_no_worker_within_the_wait_gets_an_openai_503(tmp_path):
+    port = free_port()
+    nowhere = "http://127.0.0.1:9"
+    router = start(["router", "--port", str(port), "--prefill", nowhere, "--decode", nowhere,
+                    "--no-worker-wait-s", "0.5"], tmp_path / "router.log")
+    try:
+        wait_healthy_or_503(f"http://127.0.0.1:{port}", router)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json={"messages": [user_message(0)], "max_tokens": 4}, timeout=60)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == 503 and "no prefill worker" in response.json()["error"]["message"]
+    finally:
+        stop(router)
+
+
+def wait_healthy_or_503(url: str, process) -> None:
+    """Until the router answers /health at all (503 there: it has no worker)."""
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        response = httpx.post(f"{stack.url}/v1/chat/completions",
-                              json={"messages": [user_message(0)], "max_tokens": 4}, timeout=30)
-        if response.status_code == 200:
-            break
-        time.sleep(0.5)
-    assert response.status_code == 200
+        assert process.poll() is None
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
 
 
 def test_sigterm_drains_the_in_flight_stream(tiny_model_dir, tmp_path):

@@ -131,10 +131,14 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     return out_dir
 
 
+def cache_dir() -> Path:
+    """Where kvturn keeps what it makes for itself (the embedded model, local stacks' logs): $KVTURN_CACHE_DIR."""
+    return Path(os.environ.get("KVTURN_CACHE_DIR") or Path.home() / ".cache" / "kvturn")
+
+
 def default_model_dir(preset: str = "tiny") -> Path:
     """The embedded model, written on first use under the cache dir."""
-    cache = Path(os.environ.get("KVTURN_CACHE_DIR") or Path.home() / ".cache" / "kvturn")
-    model_dir = cache / f"embedded-{preset}-seed0"
+    model_dir = cache_dir() / f"embedded-{preset}-seed0"
     if not (model_dir / "model.safetensors").exists():
         make_model(model_dir, preset=preset, seed=0)
     return model_dir

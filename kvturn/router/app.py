@@ -35,6 +35,7 @@ from kvturn.router.workers import WorkerPool
 log = logging.getLogger("kvturn.router")
 RETURN_KV_HEADER = "X-Kvturn-Return-Kv-Params"
 OFF_LOOP_MESSAGES = 64  # hash longer histories on a thread, so /health never waits behind one
+REVIVAL_PROBE_S = 0.25  # while turns wait for a worker to come back, the dead ones are probed this often
 
 
 class RouterMetrics:
@@ -86,6 +87,7 @@ class Router:
         self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
         self.trace = TraceOut(config.trace_out)
         self.http: Upstream | None = None
+        self._revival: asyncio.Task | None = None  # the probe of dead workers that waiting turns share
 
     async def start(self) -> None:
         headers = {SECRET_HEADER: self.config.cluster_secret} if self.config.cluster_secret else {}
@@ -96,6 +98,8 @@ class Router:
 
     async def stop(self) -> None:
         self._health_task.cancel()
+        if self._revival is not None:
+            self._revival.cancel()
         await self.http.close()
         await self.table.close()
         self.trace.close()
@@ -111,6 +115,26 @@ class Router:
         await self.vllm.detect(self.http, self.prefill.workers + self.decode.workers)
         await asyncio.gather(*(self.learn_calibration(w) for w in self.prefill.workers + self.decode.workers
                                if w.healthy and not w.calibration_asked))
+
+    def has_workers(self) -> bool:
+        return bool(self.prefill.healthy()) and bool(self.decode.healthy())
+
+    async def wait_for_workers(self, deadline: float) -> bool:
+        """Whether a prefill and a decode worker are in the rotation by `deadline` (event-loop time): a worker
+        that died is probed every REVIVAL_PROBE_S meanwhile, so a restarted one is taken back as soon as it
+        answers, and the turns waiting for it go on."""
+        loop = asyncio.get_running_loop()
+        while not self.has_workers():
+            if loop.time() >= deadline:
+                return False
+            if self._revival is None or self._revival.done():
+                self._revival = asyncio.create_task(self._probe_dead())
+            await asyncio.wait({self._revival}, timeout=deadline - loop.time())
+        return True
+
+    async def _probe_dead(self) -> None:
+        await asyncio.sleep(REVIVAL_PROBE_S)
+        await asyncio.gather(*(pool.check(self.http, dead_only=True) for pool in (self.prefill, self.decode)))
 
     async def learn_calibration(self, worker) -> None:
         """Teach the cost model the prefill steps a kvturn worker timed at start-up, once per worker, so that the
@@ -242,9 +266,17 @@ def create_app(config: RouterConfig) -> FastAPI:
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         conversation, history = await router.conversation(body, request, chat, scope)
-        backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
-        if not backend.reports_own_work:
-            work = IdleClock()
-        return await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
+        # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),
+        # waits for one to come back within no_worker_wait_s and runs again: a restarted worker carries it over.
+        deadline = asyncio.get_running_loop().time() + config.no_worker_wait_s
+        while True:
+            await router.wait_for_workers(deadline)
+            backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
+            if not backend.reports_own_work:
+                work = IdleClock()
+            response = await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
+            if response.status_code != 503 or router.has_workers() or not await router.wait_for_workers(deadline):
+                return response
+            router.metrics.retries.labels("worker_back").inc()
 
     return app

@@ -118,7 +118,8 @@ class WorkerPool:
             log.warning("%s worker %s left the rotation", self.role, worker.url)
         worker.healthy = False
 
-    async def check(self, client: Upstream) -> None:
+    async def check(self, client: Upstream, dead_only: bool = False) -> None:
+        """Probe the workers' health (`dead_only`: those out of the rotation), taking back those that answer."""
         async def probe(worker: WorkerState):
             try:
                 ok = (await client.get(f"{worker.url}/health", timeout_s=2.0)).status == 200
@@ -127,4 +128,4 @@ class WorkerPool:
             if ok and not worker.healthy:
                 log.info("%s worker %s is back", self.role, worker.url)
             worker.healthy = ok
-        await asyncio.gather(*(probe(w) for w in self.workers))
+        await asyncio.gather(*(probe(w) for w in self.workers if not (dead_only and w.healthy)))

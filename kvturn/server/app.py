@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 from kvturn.config import WorkerConfig
 from kvturn.engine import step_history
 from kvturn.engine.sequence import Sequence
-from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
+from kvturn.errors import (BadRequest, error_response, install_error_handlers, internal_error_message,
+                           parse_json_object)
 from kvturn.kv_transfer import side_channel
 from kvturn.kv_transfer.connector import ConnectorStats
 from kvturn.registry import run_registration
@@ -128,9 +129,10 @@ class Generation:
                     yield openai.sse({**chunk_base, "choices": [openai.choice(chat, delta, None, True, logprobs)]})
             yield "data: [DONE]\n\n"
         except Exception as exc:  # the engine died mid-stream: tell the client instead of hanging up silently
-            log.exception("stream failed")
-            yield openai.sse({"error": {"message": f"generation failed: {exc}", "type": "InternalServerError",
-                                        "param": None, "code": 500}})
+            log.exception("stream of request %s failed", self.base["id"])
+            message = internal_error_message(f"generation failed: {type(exc).__name__}", self.base["id"])
+            yield openai.sse({"error": {"message": message, "type": "InternalServerError", "param": None,
+                                        "code": 500}})
         finally:
             worker.release_pin_once(self.plan, self.released)
             await outputs.aclose()
