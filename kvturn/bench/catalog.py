@@ -29,6 +29,18 @@ LEGS = {
     "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
 }
 PATH_LEGS = ("pull", "compute-on-D", "adaptive")
+DEFAULT_LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off")
+
+
+def baseline_of(name: str) -> str | None:
+    """The P/D leg without bidirectional transfer that leg `name` is measured against: the one with the same
+    prefix cache on P (None for a leg that is not a bidirectional P/D leg)."""
+    leg = LEGS[name]
+    if leg.mode != "pd" or not leg.bidirectional:
+        return None
+    return next(other.name for other in LEGS.values()
+                if other.mode == "pd" and not other.bidirectional
+                and other.prefix_caching_on_prefill == leg.prefix_caching_on_prefill)
 
 
 @dataclass(slots=True)
@@ -39,6 +51,7 @@ class Scenario:
     sessions: int = 1
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    legs: tuple[str, ...] | None = None  # what `--compare` runs when no --legs is given (None: DEFAULT_LEGS)
 
 
 SCENARIOS = {
