@@ -6,6 +6,7 @@ should not help."""
 from dataclasses import dataclass, field
 
 from kvturn.bench import workload
+from kvturn.bench.coding_agent import coding_agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,11 @@ SCENARIOS = {
     "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
     "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
                                          "16-64 answer tokens a turn, eight sessions at once", sessions=8),
+    # P's cache off: with it on, P already holds each history and nothing needs to move
+    "coding-agent": Scenario("coding-agent", "coding agents shaped like public traces: ~20 turns, the context growing "
+                                             "8x to --max-prompt-tokens by tool results, heavy-tailed think times "
+                                             "(--gap-scale shortens them), three sessions at once", sessions=3,
+                             legs=("pd/P-cache-off", "bidir/P-cache-off", "adaptive")),
 }
 
 
@@ -104,4 +110,6 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       new_tokens={"distribution": "uniform", "min": 50, "max": 400},
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
+    if scenario == "coding-agent":
+        return coding_agent(source, seed, max_prompt_tokens, SCENARIOS[scenario].sessions)
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")
