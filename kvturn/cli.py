@@ -318,6 +318,9 @@ def bench(
                       f"turn: {ideal['other_ms']:.0f} ms (router, side channel, queues)")
     elif ideal:
         console.print(f"ideal speedup: {ideal.get('note')}")
+    ideal_spread = spread.ideal_spread(ideals)
+    if ideal_spread and repeats > 1:
+        console.print(spread.ideal_text(ideal_spread))
     paths_verdict = comparison.path_verdict(summaries) if compare else None
     if paths_verdict:
         v = paths_verdict
@@ -333,14 +336,14 @@ def bench(
                "ideal_speedup": ideal, "paths": paths_verdict,
                "legs": {leg: result.to_json() for leg, result in results.items()},
                "spread": {"legs": leg_spreads, "ratios": ratios,
-                          "fraction_of_ideal": spread.spread([i.get("fraction_of_ideal") for i in ideals if i])},
+                          "ideal_speedup": ideal_spread},
                "more_repeats": [{"summaries": s, "ideal_speedup": i,
                                  "legs": {leg: result.to_json() for leg, result in run.items()}}
                                 for s, i, run in zip(every_summary[1:], ideals[1:], runs[1:])]}
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, words))
+                                            ratios, words, ideal_spread))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,

@@ -110,3 +110,22 @@ def test_repeats_need_compare(tiny_model_dir):
     from kvturn.cli import app
     result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--repeats", "2"])
     assert result.exit_code == 2 and "--repeats needs --compare" in " ".join(result.output.replace("│", " ").split())
+
+
+def test_overlapping_ranges_whose_every_repeat_agrees_say_so_and_still_name_no_winner():
+    """The machine's pace moved between repeats (pd 1.4 s to 4.3 s) more than the legs differed within one."""
+    runs = repeats_of([1400, 3000, 4300], [560, 1200, 1700])
+    words = spread.verdict(spread.leg_spreads(runs), spread.ratio_spreads(runs), 3)
+    assert "TTFT p50 1200 (560-1700) against 3000 (1400-4300) ms: within noise, though lower within each repeat" in words
+    assert ": lower" not in words
+
+
+def test_the_longest_prompts_speedup_against_its_ideal_is_given_with_its_spread():
+    ideals = [{"prompt_tokens": 8891, "measured_speedup": m, "ideal_speedup": 15.0, "fraction_of_ideal": m / 15.0,
+               "other_ms": o} for m, o in ((14.8, 27.0), (10.0, 40.0), (12.0, 30.0))]
+    ideal = spread.ideal_spread(ideals + [None, {"note": "the ON leg did not reuse KV at the longest prompt"}])
+    assert ideal["repeats"] == 3 and ideal["measured_speedup"]["median"] == 12.0
+    assert spread.ideal_text(ideal) == (
+        "At the longest prompt (8891 tokens), over 3 repeats: TTFT OFF/ON 12.00x (10.00x-14.80x) against an ideal of "
+        "15.00x, measured/ideal 80% (67%-99%); time outside compute and transfer in the ON turn 30.0 (27.0-40.0) ms.")
+    assert spread.ideal_spread([None]) is None

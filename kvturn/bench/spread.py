@@ -24,6 +24,7 @@ LABELS = {key: label for key, label, _, _ in FIGURES}
 UNITS = {key: unit for key, _, unit, _ in FIGURES}
 RATIO_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "tpot_p90_ms", "session_p50_s")
 VERDICT_FIGURES = ("ttft_p50_ms", "later_ttft_p50_ms", "session_p50_s")
+IDEAL_FIGURES = ("measured_speedup", "ideal_speedup", "fraction_of_ideal", "other_ms")
 
 
 def spread(values: list) -> dict | None:
@@ -83,9 +84,18 @@ def compare(baseline: dict, candidate: dict) -> str:
     return "within noise"
 
 
+def same_side(ratio: dict | None) -> str | None:
+    """"lower" or "higher" where every repeat's ratio lies on that side of 1, else None."""
+    if ratio is None or len(ratio["values"]) < 2:
+        return None
+    return "lower" if ratio["max"] < 1 else "higher" if ratio["min"] > 1 else None
+
+
 def number(value: float, unit: str) -> str:
     if unit == "x":
         return f"{value:.2f}x"
+    if unit == "%":
+        return f"{value:.0f}%"
     return f"{value:.0f}" if unit == "ms" and value >= 100 else f"{value:.1f}"
 
 
@@ -109,8 +119,12 @@ def verdict(legs: dict[str, dict], ratios: dict[str, dict], repeats: int) -> str
             if ours is None or theirs is None:
                 continue
             unit, ratio = UNITS[key], ratios.get(ratio_name(candidate, baseline), {}).get(key)
+            word = compare(theirs, ours)
+            if word == "within noise" and same_side(ratio):
+                # the machine's pace moved between repeats more than the legs differ within one
+                word += f", though {same_side(ratio)} within each repeat"
             parts.append(f"{LABELS[key]} {spread_text(ours, unit)} against {spread_text(theirs, unit)} {unit}: "
-                         f"{compare(theirs, ours)}" + (f" ({spread_text(ratio, 'x')})" if ratio else ""))
+                         f"{word}" + (f" ({spread_text(ratio, 'x')})" if ratio else ""))
         retained = legs[candidate]["peak_retained_mib"]
         if parts:
             words.append(f"{candidate} against {baseline} over {repeats} repeats: " + "; ".join(parts)
@@ -119,6 +133,28 @@ def verdict(legs: dict[str, dict], ratios: dict[str, dict], repeats: int) -> str
         words = [f"{leg}: TTFT p50 {spread_text(figures['ttft_p50_ms'], 'ms')} ms over {repeats} repeats."
                  for leg, figures in legs.items()]
     return " ".join(words)
+
+
+def ideal_spread(ideals: list[dict | None]) -> dict | None:
+    """The spread over repeats of the longest prompt's measured and ideal speedups (compare.ideal_speedup)."""
+    measured = [i for i in ideals if i and "ideal_speedup" in i]
+    if not measured:
+        return None
+    return {"prompt_tokens": measured[0]["prompt_tokens"], "repeats": len(measured),
+            **{key: spread([i[key] for i in measured]) for key in IDEAL_FIGURES}}
+
+
+def percent(fraction: dict | None) -> dict | None:
+    return fraction and {**{key: fraction[key] * 100 for key in ("median", "min", "max")},
+                         "values": [v * 100 for v in fraction["values"]]}
+
+
+def ideal_text(ideal: dict) -> str:
+    return (f"At the longest prompt ({ideal['prompt_tokens']} tokens), over {ideal['repeats']} repeats: TTFT OFF/ON "
+            f"{spread_text(ideal['measured_speedup'], 'x')} against an ideal of "
+            f"{spread_text(ideal['ideal_speedup'], 'x')}, measured/ideal "
+            f"{spread_text(percent(ideal['fraction_of_ideal']), '%')}"
+            f"; time outside compute and transfer in the ON turn {spread_text(ideal['other_ms'], 'ms')} ms.")
 
 
 def table_rows(legs: dict[str, dict], ratios: dict[str, dict]) -> tuple[list[str], list[list[str]], list[str],
@@ -138,7 +174,8 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def markdown(title: str, info: dict, command: str, repeats: int, legs: dict, ratios: dict, words: str) -> str:
+def markdown(title: str, info: dict, command: str, repeats: int, legs: dict, ratios: dict, words: str,
+             ideal: dict | None = None) -> str:
     """A short summary to quote: stamp (machine, date, commit, command), the tables, the verdict."""
     head, rows, ratio_head, ratio_rows = table_rows(legs, ratios)
     stamp = (f"{info.get('cpu')}, {info.get('cores')} cores, {info.get('memory_gib')} GiB; torch {info.get('torch')}; "
@@ -149,7 +186,8 @@ def markdown(title: str, info: dict, command: str, repeats: int, legs: dict, rat
     if ratio_rows:
         parts += ["", "Each ratio is taken within a repeat (below 1: the first leg's figure is lower).", "",
                   markdown_table(ratio_head, ratio_rows)]
-    return "\n".join(parts + ["", words, ""])
+    parts += ["", words]
+    return "\n".join(parts + (["", ideal_text(ideal)] if ideal else []) + [""])
 
 
 def print_tables(legs: dict[str, dict], ratios: dict[str, dict], title: str, console) -> None:
