@@ -150,7 +150,8 @@ def percent(fraction: dict | None) -> dict | None:
 
 
 def ideal_text(ideal: dict) -> str:
-    return (f"At the longest prompt ({ideal['prompt_tokens']} tokens), over {ideal['repeats']} repeats: TTFT OFF/ON "
+    runs = "in one run" if ideal["repeats"] == 1 else f"over {ideal['repeats']} repeats"
+    return (f"At the longest prompt ({ideal['prompt_tokens']} tokens), {runs}: TTFT OFF/ON "
             f"{spread_text(ideal['measured_speedup'], 'x')} against an ideal of "
             f"{spread_text(ideal['ideal_speedup'], 'x')}, measured/ideal "
             f"{spread_text(percent(ideal['fraction_of_ideal']), '%')}"
