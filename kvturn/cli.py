@@ -43,6 +43,13 @@ def chosen_legs(legs: str) -> list[str]:
     return chosen
 
 
+def command_line() -> str:
+    """This command as a user would type it, for a report to say how it was made."""
+    import shlex
+    import sys
+    return shlex.join(["kvturn", *sys.argv[1:]])
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call drowns what matters
@@ -241,16 +248,22 @@ def bench(
     url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
     compare: bool = typer.Option(False, "--compare", help="launch each local deployment leg in turn and compare"),
     scenario: str = typer.Option("sweep", help="sweep, no-reuse, resume-after-ttl, edited-history, short-turns, "
-                                               "concurrent, agent-loop"),
+                                               "concurrent, agent-loop, coding-agent"),
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="JSON workload: vLLM's conversation list, "
                                                                           "its generate_conversations config, or a "
                                                                           "kvturn_synthetic config"),
-    legs: str = typer.Option(",".join(["colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on",
-                                       "bidir/P-cache-off"]), help="legs to run with --compare"),
+    legs: Optional[str] = typer.Option(None, help="legs to run with --compare (default: the scenario's; coding-agent: "
+                                              "pd/P-cache-off,bidir/P-cache-off,adaptive; the others: colocated,"
+                                              "pd/P-cache-on,pd/P-cache-off,bidir/P-cache-on,bidir/P-cache-off)"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="with --compare: run the legs this many times, "
+                                "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
+    gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
+                                    "(coding-agent's median 5.2 s and p99 81 s; 0.05 makes them seconds)"),
     sessions: Optional[int] = typer.Option(None, help="sessions (clients) in parallel (default: the scenario's)"),
     max_turns: Optional[int] = typer.Option(None, help="cut every conversation after this many turns"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
-    max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep"),
+    max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep; the context a "
+                                          "coding-agent session grows to (its sizes scale with it)"),
     request_rate: float = typer.Option(0.0, help="requests per second, Poisson arrivals (0: as fast as sessions go)"),
     warmup_turns: int = typer.Option(0, help="leading turns of each session left out of the statistics"),
     limit_min_tokens: Optional[int] = typer.Option(None, help="floor on answer tokens per turn"),
@@ -269,12 +282,14 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import catalog, client, compare as comparison, report, workload
+    from kvturn.bench import catalog, client, compare as comparison, report, spread, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
     if not compare and not url:
         raise typer.BadParameter("give --url URL, or --compare to launch local legs")
+    if repeats > 1 and not compare:
+        raise typer.BadParameter("--repeats needs --compare: each repeat starts fresh stacks")
     if scenario not in catalog.SCENARIOS:
         raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
     model_dir = resolve_model(model)
@@ -293,25 +308,35 @@ def bench(
             turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
             if limit_max_tokens:
                 turn.answer_tokens = min(turn.answer_tokens, limit_max_tokens)
+    workload.scale_gaps(conversations, gap_scale)
     name = workload_file.stem if workload_file else scenario
     out_dir = out or Path("results") / f"bench-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
     if compare:
-        results = comparison.run_legs(model_dir, chosen_legs(legs), spec, conversations, seed, kv_cache_mb,
+        chosen = chosen_legs(legs) if legs else list(spec.legs or catalog.DEFAULT_LEGS)
+        runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
                                       out_dir / "logs", console, source, sessions, pin_workers)
     else:
-        results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
-                                               request_rate=request_rate, warmup_turns=warmup_turns,
-                                               max_turns=max_turns, seed=seed, count_tokens=tokenizer.count))}
-    summaries = [report.summarize(leg, result) for leg, result in results.items()]
-    ideal = comparison.ideal_speedup(results, model_dir) if compare else None
+        runs = [{url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
+                                             request_rate=request_rate, warmup_turns=warmup_turns,
+                                             max_turns=max_turns, seed=seed, count_tokens=tokenizer.count))}]
+    results = runs[0]
+    every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
+    summaries = every_summary[0]
+    ideals = [comparison.ideal_speedup(run, model_dir) for run in runs] if compare else [None]
+    ideal = ideals[0]
     info = machine()
-    words = report.verdict(summaries)
+    leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
+    words = spread.verdict(leg_spreads, ratios, repeats) if repeats > 1 else report.verdict(summaries)
     console.print(words)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
-    report.print_table(summaries, f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})", console)
+    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})"
+    if repeats > 1:
+        spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
+    else:
+        report.print_table(summaries, title, console)
     if ideal and "ideal_speedup" in ideal:
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
                       f"{ideal['ttft_on_ms']:.0f} ms (ON) = {ideal['measured_speedup']:.2f}x; ideal "
@@ -321,6 +346,9 @@ def bench(
                       f"turn: {ideal['other_ms']:.0f} ms (router, side channel, queues)")
     elif ideal:
         console.print(f"ideal speedup: {ideal.get('note')}")
+    ideal_spread = spread.ideal_spread(ideals)
+    if ideal_spread and repeats > 1:
+        console.print(spread.ideal_text(ideal_spread))
     paths_verdict = comparison.path_verdict(summaries) if compare else None
     if paths_verdict:
         v = paths_verdict
@@ -328,19 +356,31 @@ def bench(
                       f"better fixed path ({v['better_fixed_ttft_p50_ms']:.0f} ms); TPOT p90 {v['tpot_ratio']:.2f}x "
                       f"pull only; adaptive took {v['adaptive_paths']}; predicted TTFT within 20%: "
                       + ", ".join(f"{k} {x:.0%}" for k, x in v["predicted_within_20pct"].items() if x is not None))
+    # the first repeat where it always was (what kvturn plan reads), the others after it, every one raw
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
-               "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "verdict": {"text": words},
+               "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
+               "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,
-               "legs": {leg: result.to_json() for leg, result in results.items()}}
+               "legs": {leg: result.to_json() for leg, result in results.items()},
+               "spread": {"legs": leg_spreads, "ratios": ratios,
+                          "ideal_speedup": ideal_spread},
+               "more_repeats": [{"summaries": s, "ideal_speedup": i,
+                                 "legs": {leg: result.to_json() for leg, result in run.items()}}
+                                for s, i, run in zip(every_summary[1:], ideals[1:], runs[1:])]}
     json_path = write_json(out_dir / "results.json", payload)
+    summary_path = out_dir / "summary.md"
+    summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
+                                            ratios, words, ideal_spread))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
                                    "scenario": payload["description"]},
-                                  splits={leg: report.ttft_split(result) for leg, result in results.items()})
-    console.print(f"JSON: {json_path}\nplots: {', '.join(str(p) for p in plots.values())}\nHTML report: {html_path}")
-    failed = sum(s["failed"] for s in summaries)
+                                  splits={leg: report.ttft_split(result) for leg, result in results.items()},
+                                  words=words, spread_html=spread.html(leg_spreads, ratios, repeats))
+    console.print(f"JSON: {json_path}\nsummary: {summary_path}\nplots: {', '.join(str(p) for p in plots.values())}"
+                  f"\nHTML report: {html_path}")
+    failed = sum(s["failed"] for summaries in every_summary for s in summaries)
     raise typer.Exit(1 if failed else 0)
 
 

@@ -6,6 +6,7 @@ should not help."""
 from dataclasses import dataclass, field
 
 from kvturn.bench import workload
+from kvturn.bench.coding_agent import coding_agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,18 @@ LEGS = {
     "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
 }
 PATH_LEGS = ("pull", "compute-on-D", "adaptive")
+DEFAULT_LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off")
+
+
+def baseline_of(name: str) -> str | None:
+    """The P/D leg without bidirectional transfer that leg `name` is measured against: the one with the same
+    prefix cache on P (None for a leg that is not a bidirectional P/D leg)."""
+    leg = LEGS[name]
+    if leg.mode != "pd" or not leg.bidirectional:
+        return None
+    return next(other.name for other in LEGS.values()
+                if other.mode == "pd" and not other.bidirectional
+                and other.prefix_caching_on_prefill == leg.prefix_caching_on_prefill)
 
 
 @dataclass(slots=True)
@@ -39,6 +52,7 @@ class Scenario:
     sessions: int = 1
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    legs: tuple[str, ...] | None = None  # what `--compare` runs when no --legs is given (None: DEFAULT_LEGS)
 
 
 SCENARIOS = {
@@ -55,6 +69,11 @@ SCENARIOS = {
     "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
     "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
                                          "16-64 answer tokens a turn, eight sessions at once", sessions=8),
+    # P's cache off: with it on, P already holds each history and nothing needs to move
+    "coding-agent": Scenario("coding-agent", "coding agents shaped like public traces: ~20 turns, the context growing "
+                                             "8x to --max-prompt-tokens by tool results, heavy-tailed think times "
+                                             "(--gap-scale shortens them), three sessions at once", sessions=3,
+                             legs=("pd/P-cache-off", "bidir/P-cache-off", "adaptive")),
 }
 
 
@@ -91,4 +110,6 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       new_tokens={"distribution": "uniform", "min": 50, "max": 400},
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
+    if scenario == "coding-agent":
+        return coding_agent(source, seed, max_prompt_tokens, SCENARIOS[scenario].sessions)
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

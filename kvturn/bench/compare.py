@@ -68,27 +68,54 @@ def leg_stack(model_dir: str, name: str, log_dir: Path, kv_cache_mb: int, scenar
                       router_args=["--path-policy", leg.path_policy], log_dir=log_dir, pin_workers=pin_workers)
 
 
+def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
+            log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
+            pin_workers: bool = False) -> client.RunResult:
+    """Leg `name` on a stack of its own, started for this run and stopped after it."""
+    leg = LEGS[name]
+    console.print(f"[bold]{name}[/bold]: starting {leg.mode} stack")
+    stack = leg_stack(model_dir, name, log_dir / name.replace("/", "_"), kv_cache_mb, scenario, pin_workers)
+    with stack:
+        warm_up(stack.url, source)
+        started_s = time.time()
+        result = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
+                                        seed=seed, count_tokens=source.tokenizer.count))
+        result.worker_calibration = worker_calibration(stack)
+        result.worker_steps, missing = worker_steps(stack, started_s)
+        if missing:
+            console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan calibrates from "
+                          f"this run's requests instead[/yellow]")
+    failed = sum(1 for r in result.requests if r.error)
+    console.print(f"  {len(result.requests)} requests, {failed} failed, {result.runtime_s:.1f} s")
+    return result
+
+
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
              log_dir: Path, console: Console, source: workload.TextSource, sessions: int | None = None,
              pin_workers: bool = False) -> dict:
-    results = {}
-    for name in legs:
-        leg = LEGS[name]
-        console.print(f"[bold]{name}[/bold]: starting {leg.mode} stack")
-        stack = leg_stack(model_dir, name, log_dir / name.replace("/", "_"), kv_cache_mb, scenario, pin_workers)
-        with stack:
-            warm_up(stack.url, source)
-            started_s = time.time()
-            results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
-                                                   seed=seed, count_tokens=source.tokenizer.count))
-            results[name].worker_calibration = worker_calibration(stack)
-            results[name].worker_steps, missing = worker_steps(stack, started_s)
-            if missing:
-                console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan calibrates from "
-                              f"this run's requests instead[/yellow]")
-        failed = sum(1 for r in results[name].requests if r.error)
-        console.print(f"  {len(results[name].requests)} requests, {failed} failed, {results[name].runtime_s:.1f} s")
-    return results
+    return {name: run_leg(model_dir, name, scenario, conversations, seed, kv_cache_mb, log_dir, console, source,
+                          sessions, pin_workers) for name in legs}
+
+
+def interleaved(legs: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, leg) in the order they run: every leg once per repeat (A, B, A, B, ...), so that a slow spell of
+    the machine falls on each leg rather than on all the runs of one."""
+    return [(repeat, leg) for repeat in range(repeats) for leg in legs]
+
+
+def run_repeats(repeats: int, model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int,
+                kv_cache_mb: int, log_dir: Path, console: Console, source: workload.TextSource,
+                sessions: int | None = None, pin_workers: bool = False) -> list[dict]:
+    """Each repeat's results by leg: the legs run interleaved, each on a fresh stack replaying the same workload
+    with the same seed."""
+    runs = [{} for _ in range(repeats)]
+    for repeat, name in interleaved(legs, repeats):
+        if repeats > 1 and name == legs[0]:
+            console.print(f"[bold]repeat {repeat + 1} of {repeats}[/bold]")
+        runs[repeat][name] = run_leg(model_dir, name, scenario, conversations, seed, kv_cache_mb,
+                                     log_dir / f"repeat{repeat + 1}" if repeats > 1 else log_dir, console, source,
+                                     sessions, pin_workers)
+    return runs
 
 
 def ideal_speedup(results: dict, model_dir: str) -> dict | None:

@@ -36,6 +36,7 @@ def summarize(name: str, result: RunResult) -> dict:
         "runtime_sec": result.runtime_s,
         "requests_per_sec": len(ok) / result.runtime_s if result.runtime_s else 0.0,
         "ttft_ms": percentiles([r.ttft_ms for r in ok]),
+        "later_ttft_ms": percentiles([r.ttft_ms for r in ok if r.turn > 0]),  # turns with a history to reuse
         "tpot_ms": percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
         "latency_ms": percentiles([r.latency_ms for r in ok]),
         "session_time_s": percentiles([s.duration_s for s in sessions if not s.failed]),
@@ -46,6 +47,7 @@ def summarize(name: str, result: RunResult) -> dict:
         "bytes_d_to_p": sum(r.bytes_d_to_p for r in ok),
         "bytes_p_to_d": sum(r.bytes_p_to_d for r in ok),
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
+        "mean_retained_kv_bytes": float(np.mean([b for _, b in result.retained_kv])) if result.retained_kv else 0.0,
     }
 
 
@@ -243,7 +245,8 @@ def cell(stats: dict, key: str, form: str) -> str:
 
 
 def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict,
-               splits: dict[str, dict] | None = None) -> Path:
+               splits: dict[str, dict] | None = None, words: str | None = None, spread_html: str = "") -> Path:
+    """The page; `words`: a verdict other than this run's (a repeated run's), `spread_html` shown after it."""
     head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "other p50 ms", "TPOT p50 ms", "session p50 s",
             "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"]
     rows = [[s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
@@ -257,7 +260,8 @@ def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, P
         split_rows = [[leg] + [f"{split[key]:.1f}" for _, key in SPLIT_PARTS] for leg, split in splits.items()]
         split_table = ("<h2>Where the time to first token goes (mean ms per request)</h2>"
                        + html_table(["leg"] + [name for name, _ in SPLIT_PARTS], split_rows))
-    body = (f"<p class=verdict>{html.escape(verdict(summaries))}</p>{html_table(head, rows)}{split_table}"
+    body = (f"<p class=verdict>{html.escape(words or verdict(summaries))}</p>{spread_html}"
+            f"{html_table(head, rows)}{split_table}"
             f"<h2>Details</h2>{_details(extra)}")
     path.write_text(html_page(title, body, plots))
     return path

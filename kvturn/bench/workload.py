@@ -5,6 +5,7 @@ A conversation is a system prompt and a list of turns; each turn is the new user
 time before it is sent. The model's real answers go into the history, as an agent's would.
 """
 import json
+import math
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,3 +182,12 @@ def sweep(source: TextSource, seed: int, system_tokens: list[int], turns: int, n
                              answer_tokens=answer_tokens)
         conversations += synthetic(spec, source, seed + length, id_prefix=f"sweep{length}")
     return conversations
+
+
+def scale_gaps(conversations: list[Conversation], factor: float) -> None:
+    """Multiply every think time by `factor` (0 sends each turn as soon as the last answer is in)."""
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(f"the gap scale must be a finite number >= 0, got {factor!r}")
+    for conv in conversations:
+        for turn in conv.turns:
+            turn.gap_s *= factor
