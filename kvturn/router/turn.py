@@ -14,7 +14,7 @@ from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import may_send_ahead
 from kvturn import costmodel
 from kvturn.costmodel.reports import own_read_ms, reported_prompt_tokens, shared_steps
-from kvturn.router import fast_json, keys
+from kvturn.router import fast_json, keys, lease_tier
 from kvturn.router.keys import ConversationKey, History, message_size
 from kvturn.router.streaming import Streaming
 from kvturn.router.upstream import Reply, Stream, Unreachable
@@ -89,9 +89,10 @@ class Turn(Streaming):
                 running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
         prefill = router.prefill.least_loaded()
+        tier = lease_tier.guess(entry, router.decode.find(entry.decode_url) if entry else None)
         return costmodel.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                               prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
-                              decode_backlog, may_send_ahead(self.body, self.chat), step_ms)
+                              decode_backlog, may_send_ahead(self.body, self.chat), step_ms, retained_tier=tier)
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens: counted with the model's tokenizer where the router has it (--tokenizer) and the
