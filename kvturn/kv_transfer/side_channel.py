@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 
 import httpx
 import orjson
@@ -86,6 +87,9 @@ def parse_lease(payload, peer: Peer, handle: str, block_size: int, vocab_size: i
     epochs = _ints(payload.get("block_epochs"), len(block_ids))
     ttl_s, num_tokens = payload.get("ttl_s"), payload.get("num_tokens")
     first_token = payload.get("first_token_id")
+    expiry = payload.get("expiry_time")
+    if ttl_s is None and type(expiry) in (int, float):
+        ttl_s = max(expiry - time.time(), 0.0)  # a peer of a version before `ttl_s`: its wall clock, as it was
     if hashes is None or epochs is None or type(ttl_s) not in (int, float) or not 0 <= ttl_s < float("inf"):
         return None
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
