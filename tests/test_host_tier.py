@@ -176,3 +176,15 @@ def test_time_left_travels_as_a_duration_so_a_receiver_with_another_clock_honour
                               4096, prefill.connector.clock())
     seq = prefill.run(Sequence("late", PROMPT, PARAMS, remote=nearly_over))
     assert seq.reuse_outcome == "expired" and seq.output_token_ids == reference
+
+
+def test_every_retention_leg_starts_decode_workers_whose_settings_are_accepted():
+    from kvturn.bench.catalog import LEGS, RETENTION_LEGS
+    from kvturn.cli import app
+    from typer.main import get_command
+    flags = {name for param in get_command(app).commands["worker"].params for name in param.opts}
+    for leg in RETENTION_LEGS:
+        args = LEGS[leg].decode_args
+        assert set(args[::2]) <= flags, leg
+        ConnectorConfig(**{flag.removeprefix("--").replace("-", "_"): int(value)
+                           for flag, value in zip(args[::2], args[1::2])})

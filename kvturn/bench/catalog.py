@@ -15,6 +15,7 @@ class Leg:
     bidirectional: bool
     prefix_caching_on_prefill: bool
     path_policy: str = "pull"  # what the router does with a live lease (see `kvturn router --path-policy`)
+    decode_args: tuple[str, ...] = ()  # the decode workers' own settings (the retention legs)
 
 
 LEGS = {
@@ -29,6 +30,18 @@ LEGS = {
     "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
 }
 PATH_LEGS = ("pull", "compute-on-D", "adaptive")
+# Retention under memory pressure (scenario memory-pressure): a retained budget that holds a fifth of its live
+# conversations, leases past it dropped oldest first (as without a host tier) or moved to a host tier; and a pool
+# that holds them all, the ceiling.
+RETAINED_BUDGET_MB, RETAINED_HOST_MB = "48", "512"
+LEGS |= {
+    "retain/drop-oldest": Leg("retain/drop-oldest", "pd", True, False, "pull",
+                              ("--retained-kv-budget-mb", RETAINED_BUDGET_MB)),
+    "retain/host-tier": Leg("retain/host-tier", "pd", True, False, "pull",
+                            ("--retained-kv-budget-mb", RETAINED_BUDGET_MB, "--retained-host-mb", RETAINED_HOST_MB)),
+    "retain/unbounded": Leg("retain/unbounded", "pd", True, False, "pull"),
+}
+RETENTION_LEGS = ("retain/drop-oldest", "retain/host-tier", "retain/unbounded")
 
 
 @dataclass(slots=True)
@@ -55,6 +68,9 @@ SCENARIOS = {
     "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
     "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
                                          "16-64 answer tokens a turn, eight sessions at once", sessions=8),
+    "memory-pressure": Scenario("memory-pressure", "32 live sessions of 1-2.5k tokens with 5-15 s think times: "
+                                                   "five times what the retention legs' pool budget holds",
+                                sessions=32),
 }
 
 
@@ -91,4 +107,10 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       new_tokens={"distribution": "uniform", "min": 50, "max": 400},
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
+    if scenario == "memory-pressure":
+        spec = workload.SyntheticSpec(num_sessions=32, system_tokens={"distribution": "uniform", "min": 1000,
+                                                                      "max": 1500},
+                                      num_turns=turns, new_tokens={"distribution": "uniform", "min": 100, "max": 200},
+                                      answer_tokens=32, gap_s={"distribution": "uniform", "min": 5, "max": 15})
+        return workload.synthetic(spec, source, seed, "pressure")
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

@@ -233,7 +233,8 @@ class KVConnector:
         """The blocks arrived; read their epochs again to prove the peer did not let them go meanwhile."""
         try:
             remote = load.seq.remote
-            load.handle = self.nixl.start_epoch_read(remote.peer_engine_id, load.remote_ids, load.local_ids, remote.tier)
+            load.handle = self.nixl.start_epoch_read(remote.peer_engine_id, load.remote_ids, load.local_ids,
+                                                     remote.tier)
         except Exception:
             log.warning("epoch read-back failed to start", exc_info=True)
             self._fallback(load, policy.READ_FAILED, in_flight=False)

@@ -113,8 +113,9 @@ class KVTransferAgent:
             "layout": {f: getattr(self.layout, f) for f in self.layout.__slots__},
         }
         if self.host is not None:
-            info["host"] = {"address": self.host.cache.base_address, "epochs_address": int(self.host.epochs.ctypes.data),
-                            "num_blocks": self.host.num_blocks}
+            host = self.host
+            info["host"] = {"address": host.cache.base_address, "epochs_address": int(host.epochs.ctypes.data),
+                            "num_blocks": host.num_blocks}
         return info
 
     def add_peer(self, info: dict) -> Peer:

@@ -34,7 +34,8 @@ class EngineCollector:
             "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
             "kvturn_kv_host_restores": ("Turns whose history this worker copied back from its own host tier",
                                         kv_stats.host_restores),
-            "kvturn_kv_host_restore_bytes": ("Bytes copied back from this worker's host tier", kv_stats.host_restore_bytes),
+            "kvturn_kv_host_restore_bytes": ("Bytes copied back from this worker's host tier",
+                                             kv_stats.host_restore_bytes),
             "kvturn_kv_host_restore_seconds": ("Seconds copying back from this worker's host tier",
                                                kv_stats.host_restore_seconds),
         }
