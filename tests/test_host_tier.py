@@ -16,7 +16,6 @@ from kvturn.model.loader import load_model
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT = [3 + (i * 37) % 3000 for i in range(200)]
 OTHER = [5 + (i * 53) % 3000 for i in range(150)]
-BLOCK_MIB = 64 / 1024  # the tiny model: 64 KiB a block
 
 
 class Clock:
@@ -69,14 +68,14 @@ def reference(model):
 
 
 def host_node(model, **connector) -> Node:
-    return Node(model, retained_host_mb=1, **connector)  # 16 host blocks
+    return Node(model, blocks=32, retained_host_mb=1, **connector)  # 16 host blocks
 
 
 def test_pool_pressure_moves_a_lease_to_the_host_tier_and_the_next_turn_reads_it_there(model, reference):
     decode, prefill = host_node(model), Node(model, prefix_caching=False)
     turn = decode.retain("turn1", PROMPT[:150], "conv")
     pool_ids, pool_epochs = turn.retained["block_ids"], turn.retained["block_epochs"]
-    decode.run(Sequence("big", OTHER * 6, SamplingParams(max_tokens=1)))  # needs nearly the whole pool
+    decode.run(Sequence("big", OTHER * 3, SamplingParams(max_tokens=1)))  # needs nearly the whole pool
     leases = decode.connector.leases
     assert leases.moves[("pool", "host")] == 1 and leases.blocks_in("host") == len(pool_ids)
     assert all(decode.engine.block_manager.epochs[b] > e for b, e in zip(pool_ids, pool_epochs))
@@ -136,7 +135,7 @@ def test_compute_on_decode_copies_the_history_back_from_the_host_tier(model, ref
     decode = host_node(model)
     decode.retain("turn1", PROMPT[:150], "conv")
     decode.connector.leases.reclaim_oldest()
-    decode.run(Sequence("big", OTHER * 6, SamplingParams(max_tokens=1)))  # the freed pool blocks are reused
+    decode.run(Sequence("big", OTHER * 3, SamplingParams(max_tokens=1)))  # the freed pool blocks are reused
     seq = decode.run(Sequence("turn2", PROMPT, PARAMS, retain=RetainSpec(60, "conv", False)))
     assert seq.kv_tier == "host" and seq.num_cached_tokens == 9 * 16
     assert seq.output_token_ids == reference
@@ -188,3 +187,41 @@ def test_every_retention_leg_starts_decode_workers_whose_settings_are_accepted()
         assert set(args[::2]) <= flags, leg
         ConnectorConfig(**{flag.removeprefix("--").replace("-", "_"): int(value)
                            for flag, value in zip(args[::2], args[1::2])})
+
+
+def test_the_router_sets_a_lease_deadline_from_its_time_left_never_from_the_holders_wall_clock():
+    import asyncio
+
+    from kvturn.router.conversations import Conversation, ConversationTable
+    table = ConversationTable(ttl_s=450, max_entries=10)
+    skewed = {"handle": "h", "remote_blocks_ttl_s": 30.0, "remote_blocks_expiry_time": time.time() - 3600}
+    asyncio.run(table.put(Conversation("k", "http://d", skewed, 0.0, 1)))  # D's wall clock is an hour behind
+    found, why = asyncio.run(table.lookup("k"))
+    assert why is None and 29.0 < found.kv_params["remote_blocks_ttl_s"] <= 30.0  # handed on, counted down
+
+
+def test_a_pull_from_the_host_tier_is_priced_by_that_tiers_own_read_speed():
+    from kvturn.costmodel import PULL, RECOMPUTE, CostModel, TurnView, choose
+    from kvturn.costmodel.fits import MIN_SAMPLES
+    model = CostModel()
+    read = {"prompt_tokens_computed": 100, "prompt_tokens_remote": 4096, "kv_read_bytes": 16 * 2**20}
+    for _ in range(MIN_SAMPLES):
+        model.observe_prefill("prefill", {**read, "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 4.0}})
+        model.observe_prefill("prefill", {**read, "kv_tier": "host",
+                                          "timing": {"prefill_compute_ms": 20.0, "kv_read_ms": 4000.0}})
+    assert model.read_ms(4096) == pytest.approx(4.0) and model.read_ms(4096, tier="host") == pytest.approx(4000.0)
+    turn = TurnView(4300, 4096, 0, False, 0)
+    assert choose(model, turn, "adaptive", 0.5).path == PULL
+    assert choose(model, TurnView(4300, 4096, 0, False, 0, retained_tier="host"), "adaptive", 0.5).path == RECOMPUTE
+
+
+def test_the_router_guesses_a_lease_unused_past_its_workers_pool_horizon_is_in_the_host_tier():
+    from types import SimpleNamespace
+
+    from kvturn.router import lease_tier
+    worker = SimpleNamespace(pool_horizon_s=None)
+    entry = SimpleNamespace(stored_at=100.0)
+    assert lease_tier.guess(entry, worker, now=500.0) == "pool"  # nothing has had to move there yet
+    worker.pool_horizon_s = 60.0
+    assert lease_tier.guess(entry, worker, now=150.0) == "pool"
+    assert lease_tier.guess(entry, worker, now=161.0) == "host"
