@@ -78,8 +78,12 @@ def summary(name: str, result, metrics: dict, reference: dict) -> dict:
         "reuse_outcomes": {k: sum((r.reuse or "none") == k for r in later) for k in {r.reuse or "none" for r in later}},
         "ttft_p50_ms": statistics.median(r.ttft_ms for r in done) if done else None,
         "later_ttft_p50_ms": statistics.median(r.ttft_ms for r in later) if later else None,
-        "read_mib_per_s": {tier: (sum(r.bytes_d_to_p for r in rs) / 2**20 / sum(own_read_s(r) for r in rs)
+        # Each read's own speed, the median of them: a read the machine's load starved of CPU (its engine thread or
+        # the NIXL progress thread waiting for a core) is a tail of the load, not of the tier.
+        "read_mib_per_s": {tier: (statistics.median(r.bytes_d_to_p / 2**20 / own_read_s(r) for r in rs)
                                   if rs else None) for tier, rs in by_tier.items()},
+        "read_mib_per_s_overall": {tier: (sum(r.bytes_d_to_p for r in rs) / 2**20 / sum(own_read_s(r) for r in rs)
+                                          if rs else None) for tier, rs in by_tier.items()},
         "median_read_bytes": {tier: (int(statistics.median(r.bytes_d_to_p for r in rs)) if rs else None)
                               for tier, rs in by_tier.items()},
         "answers_differing": len(differing), "answers_compared": sum(1 for r in done if r.answer_digest),
@@ -116,7 +120,7 @@ def main() -> None:
         raw = raw_read_mib_per_s(model_dir, host["median_read_bytes"]["host"])
     table = Table(title=f"memory-pressure: {len(conversations)} sessions, budget {catalog.RETAINED_BUDGET_MB} MiB, "
                         f"host tier {catalog.RETAINED_HOST_MB} MiB")
-    for column in ("leg", "failed", "later reused", "TTFT p50 ms", "later TTFT p50", "read MiB/s pool/host",
+    for column in ("leg", "failed", "later reused", "TTFT p50 ms", "later TTFT p50", "read MiB/s p50 pool/host",
                    "moves to host", "dropped", "answers differing"):
         table.add_column(column)
     for s in summaries.values():
@@ -150,7 +154,7 @@ def targets_met(summaries: dict, raw: float | None) -> dict:
         out["lines"].append(f"host tier: TTFT p50 {out['ttft_ratio']:.2f}x the unbounded pool's (target <= 1.15)")
     if raw and host["read_mib_per_s"]["host"]:
         out["read_fraction_of_raw"] = host["read_mib_per_s"]["host"] / raw
-        out["lines"].append(f"host tier: reads at {host['read_mib_per_s']['host']:.0f} MiB/s, "
+        out["lines"].append(f"host tier: reads at {host['read_mib_per_s']['host']:.0f} MiB/s (median of reads), "
                             f"{out['read_fraction_of_raw']:.0%} of a raw NIXL READ of the same size ({raw:.0f} MiB/s; "
                             f"target >= 80%)")
     out["answers_differing"] = sum(s["answers_differing"] for s in summaries.values())

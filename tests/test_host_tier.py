@@ -118,6 +118,27 @@ def test_a_read_racing_a_move_sees_the_epoch_change_and_recomputes(model, refere
     assert seq.output_token_ids == reference
 
 
+def test_a_lease_a_peer_acquires_while_it_is_copied_stays_in_the_pool_and_the_next_one_moves(model, reference):
+    decode, prefill = host_node(model), Node(model, prefix_caching=False)
+    first = decode.retain("a", PROMPT[:150], "conv").retained
+    second = decode.retain("b", OTHER[:130], "conv-b").retained
+    host, acquired = decode.connector.host.cache, []
+    copy = host.copy_blocks
+
+    def copy_while_a_peer_acquires(*args):  # the side channel's thread answers P between the copy and the switch
+        copy(*args)
+        if not acquired:
+            acquired.append(read_by(prefill, decode, first["handle"], "conv"))
+
+    host.copy_blocks = copy_while_a_peer_acquires
+    leases = decode.connector.leases
+    assert leases.reclaim_oldest()
+    assert leases.lookup(first["handle"], "conv").tier == "pool" and acquired[0].tier == "pool"
+    assert leases.lookup(second["handle"], "conv-b").tier == "host" and leases.moves[("pool", "host")] == 1
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=acquired[0]))
+    assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
+
+
 def test_a_host_tier_read_of_a_dropped_lease_or_one_that_fails_recomputes(model, reference):
     decode, prefill = host_node(model), Node(model, prefix_caching=False)
     turn = decode.retain("turn1", PROMPT[:150], "conv")

@@ -43,6 +43,7 @@ class Lease:
     last_used: float  # monotonic seconds: made, or last renewed
     release_after_read: bool
     first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
+    renewals: int = 0
 
     def to_public(self, now: float) -> dict:
         """The lease as a peer sees it: its time left as a duration, and (for vLLM's field) as this machine's
@@ -136,6 +137,7 @@ class LeaseTable:
         now = self.clock()
         lease.deadline = max(lease.deadline, min(now + lease.ttl_s, lease.created + self.max_age_s))
         lease.last_used = now
+        lease.renewals += 1
         self._leases.move_to_end(lease.handle)
         self.counts["renewed"] += 1
 
@@ -164,32 +166,45 @@ class LeaseTable:
         """Free the pool blocks of the least recently used lease there: move it to the host tier if it fits there
         (dropping the host tier's least recently used leases to make room), else drop it. False if no lease is in
         the pool."""
-        with self._lock:
-            oldest = next((lease for lease in self._leases.values() if lease.tier == POOL), None)
-        if oldest is None:
-            return False
-        if self.host is None or oldest.release_after_read or len(oldest.block_ids) > self.host.num_blocks:
-            return self._drop(oldest.handle, "reclaimed")
-        while self.host.num_free_blocks < len(oldest.block_ids):
+        passed: set[str] = set()  # leases a peer acquired while they were being copied: moved last
+        while True:
             with self._lock:
-                victim = next((lease for lease in self._leases.values() if lease.tier == HOST), None)
-            if victim is None or not self._drop(victim.handle, "reclaimed"):
+                in_pool = [lease for lease in self._leases.values() if lease.tier == POOL]
+            if not in_pool:
+                return False
+            oldest = next((lease for lease in in_pool if lease.handle not in passed), in_pool[0])
+            if self.host is None or oldest.release_after_read or len(oldest.block_ids) > self.host.num_blocks:
                 return self._drop(oldest.handle, "reclaimed")
-        self._move_to_host(oldest)
-        return True
+            while self.host.num_free_blocks < len(oldest.block_ids):
+                with self._lock:
+                    victim = next((lease for lease in self._leases.values() if lease.tier == HOST), None)
+                if victim is None or not self._drop(victim.handle, "reclaimed"):
+                    return self._drop(oldest.handle, "reclaimed")
+            if self._move_to_host(oldest, force=oldest.handle in passed):
+                return True
+            passed.add(oldest.handle)
 
-    def _move_to_host(self, lease: Lease) -> None:
+    def _move_to_host(self, lease: Lease, force: bool = False) -> bool:
         """Copy the lease's blocks to the host tier, point the lease there, then free its pool blocks (their epochs
-        bump: a peer that read them meanwhile sees it and recomputes)."""
+        bump: a peer that read them meanwhile sees it and recomputes). The least recently used lease is the one
+        whose conversation is the likeliest to come back now: when a peer acquired it during the copy, and so is
+        about to read the pool blocks its answer named, the move is given up (unless `force`) and False returned."""
+        renewals = lease.renewals
         host_ids = self.host.allocate(len(lease.block_ids))
         self.host.cache.copy_blocks(self.pool, lease.block_ids, host_ids)
         pool_ids = lease.block_ids
         with self._lock:
-            lease.tier, lease.block_ids = HOST, host_ids
-            lease.block_epochs = [int(self.host.epochs[b]) for b in host_ids]
-            self.moves[(POOL, HOST)] += 1
-            self.last_moved_at = self.clock()
-        self.block_manager.release_all(pool_ids)
+            moved = force or lease.renewals == renewals
+            if moved:
+                lease.tier, lease.block_ids = HOST, host_ids
+                lease.block_epochs = [int(self.host.epochs[b]) for b in host_ids]
+                self.moves[(POOL, HOST)] += 1
+                self.last_moved_at = self.clock()
+        if moved:
+            self.block_manager.release_all(pool_ids)
+        else:
+            self.host.free(host_ids)
+        return moved
 
     def copy_back(self, lease: Lease, first: int, last: int, target_ids: list[int]) -> None:
         """Copy blocks first..last of a host-tier lease into pool blocks of D's own (compute on decode)."""
