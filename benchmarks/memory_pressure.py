@@ -6,7 +6,8 @@ what the decode worker's retained budget holds) against four legs, one after the
     retain/host-tier    past the budget, leases move whole to a host tier and are read there
     retain/unbounded    a pool that holds every lease: the ceiling
 
-    python benchmarks/memory_pressure.py [--sessions 32] [--turns 4] [--kv-cache-mb 512] [--out results/memory-pressure]
+    python benchmarks/memory_pressure.py [--sessions 32] [--turns 4] [--rounds 1] [--kv-cache-mb 512]
+                                         [--out results/memory-pressure]
 
 It prints one table and checks the targets: later turns reused >= 95% with the host tier; its TTFT p50 within 15% of
 the unbounded pool's; its host-tier reads at >= 80% of the raw NIXL READ bandwidth between two processes (measured
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--legs", default=",".join(LEGS))
+    parser.add_argument("--rounds", type=int, default=1, help="run the legs this many times in alternating order "
+                        "(ABC, CBA, ...), so that a shared machine's changing load falls on each alike; their turns "
+                        "are pooled (the colocated reference runs once)")
     parser.add_argument("--out", type=Path, default=Path("results/memory-pressure"))
     args = parser.parse_args()
     console = Console(width=160)
@@ -110,7 +114,19 @@ def main() -> None:
     source = workload.TextSource(ChatTokenizer(model_dir))
     conversations = catalog.build_workload("memory-pressure", source, args.seed, 0, args.turns)[:args.sessions]
     legs = [leg.strip() for leg in args.legs.split(",") if leg.strip()]
-    runs = {name: run_leg(model_dir, name, conversations, args, source, console) for name in legs}
+    runs = {}
+    for round_ in range(args.rounds):
+        for name in legs if round_ % 2 == 0 else legs[::-1]:
+            if name == "colocated" and name in runs:
+                continue
+            result, metrics = run_leg(model_dir, name, conversations, args, source, console)
+            if name in runs:
+                runs[name][0].requests.extend(result.requests)
+                runs[name][0].runtime_s += result.runtime_s
+                before = runs[name][1]
+                result, metrics = runs[name][0], {k: max(v, before.get(k, 0.0)) if k.endswith("_at_end") else
+                                                  v + before.get(k, 0.0) for k, v in metrics.items()}
+            runs[name] = (result, metrics)
     reference = {(r.conversation_id, r.turn): r.answer_digest for r in runs["colocated"][0].requests
                  if r.error is None} if "colocated" in runs else {}
     summaries = {name: summary(name, result, metrics, reference) for name, (result, metrics) in runs.items()}
