@@ -58,6 +58,7 @@ class RequestRecord:
     # tokenize back to the tokens it generated); None: not counted
     answer_text_tokens: int | None = None
     kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
+    side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
     answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
 
@@ -234,6 +235,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.predicted_queue_ms = path.get("predicted_queue_ms")
         record.predicted_tokens_computed = path.get("predicted_tokens_computed")
         record.kv_tier = kvturn.get("kv_tier")
+        record.side_channel_ms = (own if isinstance(own, dict) else {}).get("side_channel_ms")
         record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
         record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0
     return "".join(answer)
