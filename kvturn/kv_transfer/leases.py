@@ -87,14 +87,18 @@ class LeaseTable:
                       release_after_read=release_after_read, first_token_id=first_token_id)
         with self._lock:
             previous = self._by_conversation.get(conversation)
+        if previous is not None and not release_after_read:
+            self._drop(previous, "superseded")
+        budget = self.max_retained_blocks
+        # Room first, so that the pool never holds more than the budget, not even while the oldest lease is copied.
+        while budget is not None and self.retained_blocks + len(block_ids) > budget and self.reclaim_oldest():
+            pass
+        with self._lock:
             self._leases[lease.handle] = lease
             self._by_conversation[conversation] = lease.handle
             self.counts["created"] += 1
-        if previous is not None and not release_after_read:
-            self._drop(previous, "superseded")
-        if self.max_retained_blocks is not None:
-            while self.retained_blocks > self.max_retained_blocks and self.reclaim_oldest():
-                pass
+        while budget is not None and self.retained_blocks > budget and self.reclaim_oldest():
+            pass  # the lease alone is over the budget: it moves itself
         return lease
 
     def lookup(self, handle: str, conversation_key: str) -> Lease | None:
