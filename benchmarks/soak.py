@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching-on-prefill", action="store_true",
                         help="P keeps no cache of its own, so a later turn reuses only by reading from D")
     parser.add_argument("--retained-kv-budget-mb", type=int, default=64)
+    parser.add_argument("--retained-host-mb", type=int, default=None,
+                        help="the decode worker's host tier: leases past the budget move there instead of being dropped")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, help="keep each process's log here")
@@ -89,7 +91,8 @@ def main() -> None:
     try:
         with LocalStack(model_dir, kv_cache_mb=args.kv_cache_mb, log_dir=args.log_dir, num_routers=args.routers,
                         prefix_caching_on_prefill=not args.no_prefix_caching_on_prefill,
-                        decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)],
+                        decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb),
+                                     *(["--retained-host-mb", str(args.retained_host_mb)] if args.retained_host_mb else [])],
                         router_args=["--state", redis_server.url] if redis_server else []) as stack:
             urls = stack.router_urls
             console.print(f"soak: {args.sessions} sessions for {args.duration_s:.0f} s against {len(urls)} "

@@ -96,6 +96,8 @@ def worker(
     kv_read_timeout_s: float = option(ConnectorConfig, "kv_read_timeout_s"),
     kv_expiry_margin_s: float = option(ConnectorConfig, "kv_expiry_margin_s"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
+    kv_lease_max_age_s: float = option(ConnectorConfig, "kv_lease_max_age_s"),
     side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
     cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
@@ -111,7 +113,8 @@ def worker(
     connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                       decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
-                      retained_kv_budget_mb=retained_kv_budget_mb, side_channel_timeout_s=side_channel_timeout_s,
+                      retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
+                      kv_lease_max_age_s=kv_lease_max_age_s, side_channel_timeout_s=side_channel_timeout_s,
                       cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
@@ -180,6 +183,7 @@ def serve(
     decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     path_policy: str = option(RouterConfig, "path_policy"),
     no_worker_wait_s: float = option(RouterConfig, "no_worker_wait_s"),
@@ -211,6 +215,7 @@ def serve(
     own_log = logging.FileHandler(log_dir / "serve.log")
     own_log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(own_log)
+    decode_args += ["--retained-host-mb", str(retained_host_mb)] if retained_host_mb else []
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, decode_args=decode_args, router_args=router_args,

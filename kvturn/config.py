@@ -80,7 +80,14 @@ class ConnectorConfig:
     kv_expiry_margin_s: float = setting(5.0, "decline a remote read whose lease ends within this, s")
     decoder_kv_blocks_ttl_s: float = setting(480.0, "how long decode retains a finished turn's KV, s")
     kv_pin_timeout_s: float = setting(30.0, "how long prefill pins a prompt's KV for decode to read, s")
-    retained_kv_budget_mb: int | None = setting(None, "most KV retained under leases, MiB (oldest reclaimed first)")
+    retained_kv_budget_mb: int | None = setting(None, "most KV retained under leases in the engine pool, MiB (past it, "
+                                                       "the least recently used lease moves to the host tier, or is "
+                                                       "dropped without one)")
+    retained_host_mb: int | None = setting(None, "host tier of retained KV, MiB: leases the pool has no room for move "
+                                                 "here instead of being dropped, and are read from here (pinned host "
+                                                 "memory on a GPU build, DRAM here); registered with NIXL")
+    kv_lease_max_age_s: float = setting(3600.0, "a lease is renewed (to its TTL again) each time its conversation "
+                                                "reads it, but never past this age, s")
     side_channel_timeout_s: float = setting(5.0, "give up on a peer's side channel after this long, s")
     cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
     trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
@@ -88,7 +95,7 @@ class ConnectorConfig:
     def __post_init__(self):
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
         _positive(self, "kv_read_timeout_s", "decoder_kv_blocks_ttl_s", "kv_pin_timeout_s", "retained_kv_budget_mb",
-                  "side_channel_timeout_s")
+                  "retained_host_mb", "kv_lease_max_age_s", "side_channel_timeout_s")
         _check(self.kv_expiry_margin_s >= 0, "kv_expiry_margin_s must be >= 0")
         _check(self.kv_expiry_margin_s < self.decoder_kv_blocks_ttl_s,
                "kv_expiry_margin_s must be below decoder_kv_blocks_ttl_s, or no retained block is ever read")

@@ -16,6 +16,7 @@ class Leg:
     bidirectional: bool
     prefix_caching_on_prefill: bool
     path_policy: str = "pull"  # what the router does with a live lease (see `kvturn router --path-policy`)
+    decode_args: tuple[str, ...] = ()  # the decode workers' own settings (the retention legs)
 
 
 LEGS = {
@@ -30,6 +31,20 @@ LEGS = {
     "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
 }
 PATH_LEGS = ("pull", "compute-on-D", "adaptive")
+# Retention under memory pressure (scenario memory-pressure): a retained budget that holds a fifth of its live
+# conversations, leases past it dropped oldest first (as without a host tier) or moved to a host tier; and a pool
+# that holds them all, the ceiling.
+RETAINED_BUDGET_MB, RETAINED_HOST_MB = "48", "512"
+LEGS |= {
+    "retain/drop-oldest": Leg("retain/drop-oldest", "pd", True, False, "pull",
+                              ("--retained-kv-budget-mb", RETAINED_BUDGET_MB)),
+    "retain/host-tier": Leg("retain/host-tier", "pd", True, False, "pull",
+                            ("--retained-kv-budget-mb", RETAINED_BUDGET_MB, "--retained-host-mb", RETAINED_HOST_MB)),
+    "retain/unbounded": Leg("retain/unbounded", "pd", True, False, "pull"),
+}
+RETENTION_LEGS = ("retain/drop-oldest", "retain/host-tier", "retain/unbounded")
+
+
 DEFAULT_LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off")
 
 
@@ -74,6 +89,9 @@ SCENARIOS = {
                                              "8x to --max-prompt-tokens by tool results, heavy-tailed think times "
                                              "(--gap-scale shortens them), three sessions at once", sessions=3,
                              legs=("pd/P-cache-off", "bidir/P-cache-off", "adaptive")),
+    "memory-pressure": Scenario("memory-pressure", "32 live sessions of 1-2.5k tokens with 5-15 s think times: "
+                                                   "five times what the retention legs' pool budget holds",
+                                sessions=32),
 }
 
 
@@ -112,4 +130,10 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
         return workload.synthetic(spec, source, seed, "agent")
     if scenario == "coding-agent":
         return coding_agent(source, seed, max_prompt_tokens, SCENARIOS[scenario].sessions)
+    if scenario == "memory-pressure":
+        spec = workload.SyntheticSpec(num_sessions=32, system_tokens={"distribution": "uniform", "min": 1000,
+                                                                      "max": 1500},
+                                      num_turns=turns, new_tokens={"distribution": "uniform", "min": 100, "max": 200},
+                                      answer_tokens=32, gap_s={"distribution": "uniform", "min": 5, "max": 15})
+        return workload.synthetic(spec, source, seed, "pressure")
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

@@ -4,6 +4,7 @@ Per-request field names follow vLLM's multi-turn benchmark (`ttft_ms`, `tpot_ms`
 server is kvturn, the response's `kvturn` block adds the prefill split and the reuse outcome.
 """
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -56,6 +57,9 @@ class RequestRecord:
     # the tokens the answer's text comes to on its own, as the next turn resends it (a model's text need not
     # tokenize back to the tokens it generated); None: not counted
     answer_text_tokens: int | None = None
+    kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
+    side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
+    answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
 
     @property
@@ -230,6 +234,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.predicted_ttft_ms = (path.get("predicted_ttft_ms") or {}).get(record.path)
         record.predicted_queue_ms = path.get("predicted_queue_ms")
         record.predicted_tokens_computed = path.get("predicted_tokens_computed")
+        record.kv_tier = kvturn.get("kv_tier")
+        record.side_channel_ms = (own if isinstance(own, dict) else {}).get("side_channel_ms")
         record.bytes_d_to_p = kvturn.get("bytes_d_to_p", 0) or 0
         record.bytes_p_to_d = kvturn.get("bytes_p_to_d", 0) or 0
     return "".join(answer)
@@ -286,6 +292,7 @@ async def run(url: str | list[str], conversations: list[Conversation], sessions:
                                                     record, turn.answer_tokens, ignore_eos)
                             if count_tokens is not None:
                                 record.answer_text_tokens = count_tokens(answer)
+                            record.answer_digest = hashlib.sha256(answer.encode()).hexdigest()[:16]
                         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                             record.error = f"{type(exc).__name__}: {exc}"[:300]
                             session.failed = True

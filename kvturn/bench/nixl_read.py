@@ -27,7 +27,7 @@ def make_side(model_dir: str | Path, pool_mib: int, name: str, block_size: int =
     agent = KVTransferAgent(kv, np.zeros(kv.layout.num_blocks, dtype=np.int64), engine_id=name)
     raw = torch.empty(pool_mib * 2**20, dtype=torch.uint8)
     raw.random_(0, 255)
-    agent.agent.register_memory([(raw.data_ptr(), raw.numel(), 0, "")], mem_type="DRAM")
+    agent.register(raw.data_ptr(), raw.numel())
     agent.metadata = agent.agent.get_agent_metadata()  # now it describes the raw buffer too
     return agent, kv, raw
 

@@ -22,6 +22,10 @@ class CostModel:
         # waits for D's engine step under way and so costs far more per MiB than P's.
         self.read_ms_per_mib = Typical(0.5)  # D->P
         self.handoff_read_ms_per_mib = Typical(0.5)  # P->D; until one is measured, D->P's speed stands in
+        # D->P from D's host tier (P's report names the tier it read); until one is measured, the pool's speed
+        # stands in. And D's own copy back from its host tier before it computes on decode.
+        self.host_read_ms_per_mib = Typical(0.5)
+        self.host_restore_ms_per_mib = Typical(0.25)
         self.bytes_per_token = Mean(4096.0)
         self.other_ms = {path: Typical(15.0 if path != COMPUTE_ON_DECODE else 5.0) for path in PATHS}
         self.tokens = TokenEstimator()
@@ -66,11 +70,17 @@ class CostModel:
     def reusable_tokens(self, leased_tokens: int) -> int:
         return max(leased_tokens - round(self.unshared_tail_tokens.value), 0) if leased_tokens else 0
 
-    def read_ms(self, tokens: int, direction: str = "d_to_p") -> float:
+    def read_ms(self, tokens: int, direction: str = "d_to_p", tier: str = "pool") -> float:
         per_mib = self.read_ms_per_mib.value
         if direction == "p_to_d" and self.handoff_read_ms_per_mib.values:
             per_mib = self.handoff_read_ms_per_mib.value
+        elif tier == "host" and self.host_read_ms_per_mib.values:
+            per_mib = self.host_read_ms_per_mib.value
         return tokens * self.bytes_per_token.value / 2**20 * per_mib
+
+    def restore_ms(self, tokens: int) -> float:
+        """D copying `tokens` of history back from its host tier into its pool (compute on decode)."""
+        return tokens * self.bytes_per_token.value / 2**20 * self.host_restore_ms_per_mib.value
 
     def observe_calibration(self, role: str, steps) -> int:
         """Learn the prefill steps a `role` worker timed at start-up (its /kv/calibration); returns how many were
@@ -102,8 +112,13 @@ class CostModel:
         # but over a NIC the transfer runs beside the steps, and what is left would say it cost nothing.
         overlapped = role == "prefill" and (timing.get("kv_read_step_ms") or 0.0) > 0
         if read_bytes >= 2**18 and read_ms > 0 and not overlapped:
-            (self.read_ms_per_mib if role == "prefill" else self.handoff_read_ms_per_mib).add(
-                read_ms / (read_bytes / 2**20))
+            speed = self.handoff_read_ms_per_mib
+            if role == "prefill":
+                speed = self.host_read_ms_per_mib if report.get("kv_tier") == "host" else self.read_ms_per_mib
+            speed.add(read_ms / (read_bytes / 2**20))
+        restore_bytes, restore_ms = report.get("host_restore_bytes") or 0, timing.get("host_restore_ms") or 0.0
+        if restore_bytes >= 2**18 and restore_ms > 0:
+            self.host_restore_ms_per_mib.add(restore_ms / (restore_bytes / 2**20))
         remote = report.get("prompt_tokens_remote") or 0
         if remote and read_bytes:
             self.bytes_per_token.add(read_bytes / remote)

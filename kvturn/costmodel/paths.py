@@ -23,6 +23,7 @@ class TurnView:
     decode_backlog_ms: float = 0.0  # prefills sent to the holding decode worker that have not yet produced
     first_token_ahead: bool = False  # the router streams P's first token itself: D's part is not in the TTFT
     decode_step_ms: float = 0.0  # one engine step of the holding decode worker now (its running decodes share it)
+    retained_tier: str = "pool"  # where the decode worker likely holds the lease: its pool, or its host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +63,14 @@ def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
     full = model.compute_ms("prefill", turn.prompt_tokens, 0)
     out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full, turn.prompt_tokens)}
     if turn.retained_tokens > 0:
-        pull = model.read_ms(retained) + model.compute_ms("prefill", new, retained)
+        pull = model.read_ms(retained, tier=turn.retained_tier) + model.compute_ms("prefill", new, retained)
         out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull, new)
     if turn.retained_tokens > 0 and turn.decode_available:
         # D's measured compute of a prompt includes the decodes it shares its step with; before that step the
         # turn waits for the one under way, half a step on average.
         on_decode = model.compute_ms("decode", new, retained)
+        if turn.retained_tier == "host":
+            on_decode += model.restore_ms(retained)  # D first copies the history back into its pool
         step_wait = turn.decode_step_ms / 2 if turn.decode_running else 0.0
         out[COMPUTE_ON_DECODE] = Estimate(turn.decode_backlog_ms + step_wait, on_decode,
                                           model.other_ms[COMPUTE_ON_DECODE].value, on_decode * turn.decode_running,

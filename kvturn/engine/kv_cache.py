@@ -2,8 +2,10 @@
 
 Layout (block-major, so one block is one contiguous run of bytes and moves as one NIXL descriptor):
     pool[num_blocks, num_layers, 2 (key, value), block_size, num_kv_heads, head_dim]
+Whatever indexes blocks (a copy between two caches of one layout, a NIXL descriptor of a run of blocks) goes through
+`block_index` and `run_regions`, so a change of layout changes them here only.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -31,6 +33,11 @@ class KVLayout:
     def block_bytes(self) -> int:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
 
+    def run_regions(self, base_address: int, first_block: int, count: int) -> list[tuple[int, int]]:
+        """(address, bytes) of each contiguous piece of memory holding `count` blocks from `first_block` of a cache
+        of this layout at `base_address` (ours, or a peer's)."""
+        return [(base_address + first_block * self.block_bytes, count * self.block_bytes)]
+
     def compatible_with(self, other: "KVLayout") -> list[str]:
         """Fields that differ, other than the pool size (peers may have pools of different sizes)."""
         mine, theirs = asdict(self), asdict(other)
@@ -42,6 +49,22 @@ class KVCache:
         self.layout = layout
         self.pool = torch.zeros(layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
                                 layout.head_dim, dtype=DTYPES[layout.dtype])
+
+    def resized(self, num_blocks: int) -> "KVCache":
+        """Another cache of this one's layout with `num_blocks` blocks (the host tier of retained blocks)."""
+        return KVCache(replace(self.layout, num_blocks=num_blocks))
+
+    @staticmethod
+    def block_index(block_ids: list[int]) -> tuple:
+        """The index of these blocks in `pool`, whole (every layer, key and value)."""
+        return (torch.tensor(block_ids, dtype=torch.int64),)
+
+    def copy_blocks(self, source: "KVCache", source_ids: list[int], target_ids: list[int]) -> None:
+        """Copy whole blocks of `source` (a cache of the same layout, any size) into blocks of this one."""
+        self.pool[self.block_index(target_ids)] = source.pool[source.block_index(source_ids)]
+
+    def run_regions(self, first_block: int, count: int) -> list[tuple[int, int]]:
+        return self.layout.run_regions(self.base_address, first_block, count)
 
     @property
     def base_address(self) -> int:

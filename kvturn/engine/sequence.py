@@ -29,6 +29,8 @@ class Timing:
     prefill_compute_s: float = 0.0
     prefill_shared_tokens: int = 0  # other prompts' tokens computed in the steps of its prefill (they share the time)
     kv_read_bytes: int = 0
+    host_restore_s: float = 0.0  # copying its history back from this worker's own host tier (compute on decode)
+    host_restore_bytes: int = 0
 
 
 class Sequence:
@@ -48,6 +50,7 @@ class Sequence:
         self.remote = remote  # the KV connector's record of blocks to read from a peer
         self.first_token_id: int | None = None  # sampled already elsewhere (P): continue from it, do not sample
         self.reuse_outcome: str | None = None  # "reused" or a decline reason
+        self.kv_tier: str | None = None  # where the history it reused lived: a peer's pool or host tier, or our own
         self.retain = retain  # the KV connector's instruction to keep the blocks after finishing
         self.retained: dict | None = None  # lease metadata, set at finish
         self.finish_reason: str | None = None

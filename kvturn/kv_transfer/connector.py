@@ -5,6 +5,10 @@ LOADING_KV while others run), `poll` (each step: finish, verify or abandon reads
 `on_abort`. A read is verified twice before its blocks count: the block hashes come from the trusted peer's
 own lease record and must match the prompt's, and after the bytes arrive the peer's block epochs are read
 again to prove it did not recycle the blocks meanwhile. Any failure recomputes.
+
+A decode worker with a host tier (leases.py, host_tier.py) also brings a conversation's history back from it
+itself, when the next turn is sent straight to it (compute on decode): the blocks are copied into the new
+sequence's own pool blocks at admission, past what its prefix cache already holds.
 """
 import logging
 import time
@@ -17,8 +21,10 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
 from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.host_tier import HostTier
 from kvturn.kv_transfer.leases import LeaseTable
 from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +36,12 @@ class RemoteBlocks:
     block_ids: list[int]
     block_hashes: list[int]
     block_epochs: list[int]
-    expiry_time: float  # wall-clock epoch seconds
+    deadline: float  # when the lease ends, on this worker's own clock (KVConnector.clock)
     handle: str
     num_tokens: int = 0  # tokens whose KV the blocks hold (the last block may be partial)
     first_token_id: int | None = None  # P->D: P's sampled first token, taken when every prompt block matches
     prefilled_for_us: bool = False  # P->D: P computed these for this request, so any block we lack is worth it
+    tier: str = POOL  # where the peer holds them: its engine pool, or its host tier
 
 
 @dataclass(slots=True)
@@ -52,6 +59,12 @@ class ConnectorStats:
     kv_read_step_seconds: float = 0.0  # of kv_read_seconds, the engine's steps that ran before a read was seen done
     kv_read_bytes: int = 0
     reuse_declines: Counter = field(default_factory=Counter)
+    reads_by_tier: Counter = field(default_factory=Counter)  # tier of the peer's blocks -> reads completed
+    read_bytes_by_tier: Counter = field(default_factory=Counter)
+    read_seconds_by_tier: Counter = field(default_factory=Counter)
+    host_restores: int = 0  # turns whose history this worker copied back from its own host tier
+    host_restore_bytes: int = 0
+    host_restore_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -74,14 +87,20 @@ class AbandonedRead:
 
 
 class KVConnector:
-    def __init__(self, engine: LLMEngine, config: ConnectorConfig):
+    def __init__(self, engine: LLMEngine, config: ConnectorConfig, clock=time.monotonic):
+        """`clock`: this worker's own (monotonic) seconds, on which every lease deadline here is set."""
         self.engine = engine
         self.config = config
+        self.clock = clock
         self.block_size = engine.block_size
-        budget_blocks = (config.retained_kv_budget_mb * 2**20 // engine.kv_cache.layout.block_bytes
+        block_bytes = engine.kv_cache.layout.block_bytes
+        budget_blocks = (config.retained_kv_budget_mb * 2**20 // block_bytes
                          if config.retained_kv_budget_mb is not None else None)
-        self.leases = LeaseTable(engine.block_manager, budget_blocks)
-        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs)
+        host_blocks = (config.retained_host_mb or 0) * 2**20 // block_bytes
+        self.host = HostTier(engine.kv_cache, host_blocks) if host_blocks else None
+        self.leases = LeaseTable(engine.block_manager, budget_blocks, self.host, engine.kv_cache,
+                                 config.kv_lease_max_age_s, clock)
+        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
         self.abandoned: list[AbandonedRead] = []
@@ -106,7 +125,7 @@ class KVConnector:
     # ---- admission: decide, start the read
     def on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
         remote = seq.remote
-        if remote is None:
+        if remote is None and not self._own_history(seq):
             return
         whole = list(full_hashes)
         tail = seq.token_ids[len(whole) * self.block_size:]
@@ -114,7 +133,10 @@ class KVConnector:
             whole.append(chain_hash(whole[-1] if whole else 0, tail))
         prompt = policy.PromptView(len(seq), full_hashes[:reusable_blocks(len(seq), self.block_size)], whole,
                                    seq.num_published_blocks, seq.params.must_sample_here)
-        view = policy.RemoteView(remote.block_hashes, remote.num_tokens, remote.expiry_time - time.time(),
+        if remote is None:
+            self._restore_from_host(seq, prompt)
+            return
+        view = policy.RemoteView(remote.block_hashes, remote.num_tokens, remote.deadline - self.clock(),
                                  remote.first_token_id is not None, remote.peer_engine_id in self.nixl.peers)
         threshold = 1 if remote.prefilled_for_us else self.config.kv_recompute_threshold_tokens
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
@@ -123,12 +145,46 @@ class KVConnector:
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
+    def _own_history(self, seq: Sequence) -> bool:
+        """Whether a turn sent to this worker itself may find its history in our host tier."""
+        return self.host is not None and seq.retain is not None and not seq.retain.release_after_read
+
+    def _restore_from_host(self, seq: Sequence, prompt: policy.PromptView) -> None:
+        """Compute on decode: copy the conversation's history from our host tier into the sequence's own blocks,
+        past its prefix-cache hit, when that saves at least the recompute threshold (a lease still in the pool is
+        found by the prefix cache itself)."""
+        lease = self.leases.for_conversation(seq.retain.conversation_key)
+        if lease is None:
+            return
+        if lease.block_hashes[:1] == prompt.reusable_hashes[:1]:
+            self.leases.renew(lease)  # the conversation's next turn reads it
+        if lease.tier != HOST:
+            return
+        view = policy.RemoteView(lease.block_hashes, lease.num_tokens, lease.deadline - self.clock(), False, True)
+        decision = policy.decide(prompt, view, self.block_size, self.config.kv_recompute_threshold_tokens, 0.0)
+        if not decision.loads:
+            return
+        first, last = decision.load_from_block, decision.load_to_block
+        started = time.perf_counter()
+        self.leases.copy_back(lease, first, last, seq.block_table[first:last])
+        elapsed = time.perf_counter() - started
+        nbytes = (last - first) * self.engine.kv_cache.layout.block_bytes
+        seq.block_hashes = seq.block_hashes[:first] + lease.block_hashes[first:last]
+        seq.num_computed_tokens = seq.num_cached_tokens = last * self.block_size
+        seq.kv_tier = HOST
+        seq.timing.host_restore_s += elapsed
+        seq.timing.host_restore_bytes += nbytes
+        self.stats.host_restores += 1
+        self.stats.host_restore_bytes += nbytes
+        self.stats.host_restore_seconds += elapsed
+        self.engine.publish_full_blocks(seq)
+
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
         started = time.perf_counter()  # before posting: over shared memory, UCX copies inside the post itself
         try:
-            handle = self.nixl.start_block_read(remote.peer_engine_id, remote_ids, local_ids)
+            handle = self.nixl.start_block_read(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
         except Exception:
             log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
             return False
@@ -139,7 +195,7 @@ class KVConnector:
 
     # ---- each step: progress of reads, leases past their time
     def poll(self) -> None:
-        now = time.time()
+        now = self.clock()
         if now - self._last_expiry_check > 1.0:
             self.leases.expire(now)
             self._last_expiry_check = now
@@ -176,7 +232,9 @@ class KVConnector:
     def _start_epoch_check(self, load: PendingLoad) -> bool:
         """The blocks arrived; read their epochs again to prove the peer did not let them go meanwhile."""
         try:
-            load.handle = self.nixl.start_epoch_read(load.seq.remote.peer_engine_id, load.remote_ids, load.local_ids)
+            remote = load.seq.remote
+            load.handle = self.nixl.start_epoch_read(remote.peer_engine_id, load.remote_ids, load.local_ids,
+                                                     remote.tier)
         except Exception:
             log.warning("epoch read-back failed to start", exc_info=True)
             self._fallback(load, policy.READ_FAILED, in_flight=False)
@@ -199,10 +257,15 @@ class KVConnector:
         seq.timing.kv_read_step_s += steps
         seq.timing.kv_read_bytes += nbytes
         seq.reuse_outcome = policy.REUSED
-        self.stats.kv_reads += 1
-        self.stats.kv_read_seconds += elapsed
-        self.stats.kv_read_step_seconds += steps
-        self.stats.kv_read_bytes += nbytes
+        seq.kv_tier = seq.remote.tier
+        stats = self.stats
+        stats.kv_reads += 1
+        stats.kv_read_seconds += elapsed
+        stats.kv_read_step_seconds += steps
+        stats.kv_read_bytes += nbytes
+        stats.reads_by_tier[seq.kv_tier] += 1
+        stats.read_bytes_by_tier[seq.kv_tier] += nbytes
+        stats.read_seconds_by_tier[seq.kv_tier] += elapsed
         self.engine.finish_loading(seq)
         if decision.whole_prompt:
             self.engine.append_token(seq, seq.remote.first_token_id)
@@ -262,4 +325,4 @@ class KVConnector:
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
                                    spec.release_after_read, first_token)
         if lease is not None:
-            seq.retained = lease.to_public()
+            seq.retained = lease.to_public(self.clock())

@@ -1,8 +1,9 @@
 """Moves KV blocks between workers with NIXL READs (UCX backend, DRAM).
 
-Each worker registers its KV pool and its block-epoch array once. A peer is added from the
-metadata its side channel returns; reads then go straight from the peer's memory into ours,
-one descriptor per run of consecutive blocks. Called from the engine thread only.
+Each worker registers its KV pool and its block-epoch array once, and a decode worker with a host
+tier its host blocks and their epochs too: every registration is here. A peer is added from the
+metadata its side channel returns; reads then go straight from the peer's memory (pool or host
+tier) into our pool, one descriptor per run of consecutive blocks. Called from the engine thread only.
 """
 import base64
 import logging
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvturn.engine.kv_cache import KVCache, KVLayout
+from kvturn.kv_transfer.host_tier import HOST, HostTier
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,17 @@ class Peer:
     pool_address: int
     epochs_address: int
     layout: KVLayout
+    host_address: int = 0  # the peer's host tier of retained blocks, when it has one
+    host_epochs_address: int = 0
+    host_blocks: int = 0
+
+    def blocks_in(self, tier: str) -> int:
+        return self.host_blocks if tier == HOST else self.layout.num_blocks
+
+    def addresses(self, tier: str) -> tuple[int, int]:
+        """(blocks, epochs) base addresses of a tier of the peer."""
+        return (self.host_address, self.host_epochs_address) if tier == HOST else (self.pool_address,
+                                                                                  self.epochs_address)
 
 
 def _runs(local_ids: list[int], remote_ids: list[int]):
@@ -69,31 +82,41 @@ def _runs(local_ids: list[int], remote_ids: list[int]):
 
 
 class KVTransferAgent:
-    def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None):
+    def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None,
+                 host: HostTier | None = None):
         self.engine_id = engine_id or f"kvturn-{uuid.uuid4().hex[:12]}"
         self.kv_cache = kv_cache
         self.layout = kv_cache.layout
         self.epochs = epochs
+        self.host = host
         self.epoch_scratch = np.zeros(len(epochs), dtype=np.int64)  # remote epochs land at the local block's index
         self.agent = create_nixl_agent(self.engine_id)
-        self._registrations = [
-            self.agent.register_memory([(kv_cache.base_address, kv_cache.nbytes, 0, "")], mem_type="DRAM"),
-            self.agent.register_memory([(epochs.ctypes.data, epochs.nbytes, 0, "")], mem_type="DRAM"),
-            self.agent.register_memory([(self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes, 0, "")],
-                                       mem_type="DRAM"),
-        ]
+        regions = [(kv_cache.base_address, kv_cache.nbytes), (epochs.ctypes.data, epochs.nbytes),
+                   (self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes)]
+        if host is not None:
+            regions += [(host.cache.base_address, host.cache.nbytes), (host.epochs.ctypes.data, host.epochs.nbytes)]
+        self._registrations = [self.register(address, nbytes) for address, nbytes in regions]
         self.metadata = self.agent.get_agent_metadata()
         self.peers: dict[str, Peer] = {}
 
+    def register(self, address: int, nbytes: int):
+        """Register host memory with NIXL, so that peers can read it (after the metadata is fetched again)."""
+        return self.agent.register_memory([(address, nbytes, 0, "")], mem_type="DRAM")
+
     def local_info(self) -> dict:
         """What a peer needs to read from us; served by the side channel."""
-        return {
+        info = {
             "engine_id": self.engine_id,
             "agent_metadata": base64.b64encode(self.metadata).decode(),
             "pool_address": self.kv_cache.base_address,
             "epochs_address": int(self.epochs.ctypes.data),
             "layout": {f: getattr(self.layout, f) for f in self.layout.__slots__},
         }
+        if self.host is not None:
+            host = self.host
+            info["host"] = {"address": host.cache.base_address, "epochs_address": int(host.epochs.ctypes.data),
+                            "num_blocks": host.num_blocks}
+        return info
 
     def add_peer(self, info: dict) -> Peer:
         """Connect to a peer from its side-channel metadata; raises ValueError on anything malformed."""
@@ -104,6 +127,11 @@ class KVTransferAgent:
             metadata = base64.b64decode(info["agent_metadata"], validate=True)
             if not isinstance(engine_id, str) or not isinstance(layout.num_blocks, int) or layout.num_blocks <= 0:
                 raise TypeError("engine_id or num_blocks")
+            host = info.get("host") or {}
+            host_blocks = host.get("num_blocks", 0) if isinstance(host, dict) else None
+            if type(host_blocks) is not int or host_blocks < 0:
+                raise TypeError("host num_blocks")
+            host_address, host_epochs = (int(host["address"]), int(host["epochs_address"])) if host_blocks else (0, 0)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed peer agent info: {exc!r}") from None
         if engine_id in self.peers:
@@ -114,7 +142,7 @@ class KVTransferAgent:
                                  f"ours {self.layout}, theirs {layout}")
         agent_name = self.agent.add_remote_agent(metadata)
         name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
-        peer = Peer(engine_id, name, pool_address, epochs_address, layout)
+        peer = Peer(engine_id, name, pool_address, epochs_address, layout, host_address, host_epochs, host_blocks)
         self.peers[engine_id] = peer
         return peer
 
@@ -126,23 +154,26 @@ class KVTransferAgent:
             except Exception:  # the peer may already be gone; nothing to undo then
                 log.debug("remove_remote_agent(%s) failed", peer.agent_name, exc_info=True)
 
-    def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
+    def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
+        """Read blocks `remote_ids` of the peer's `tier` (its pool, or its host tier) into our pool's `local_ids`."""
         peer = self.peers[engine_id]
-        size = self.layout.block_bytes
+        blocks_address, _ = peer.addresses(tier)
         local, remote = [], []
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
-            local.append((self.kv_cache.base_address + local_start * size, count * size, 0))
-            remote.append((peer.pool_address + remote_start * size, count * size, 0))
+            local += [(address, nbytes, 0) for address, nbytes in self.kv_cache.run_regions(local_start, count)]
+            remote += [(address, nbytes, 0) for address, nbytes in
+                       peer.layout.run_regions(blocks_address, remote_start, count)]
         return self._start(peer, local, remote)
 
-    def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
-        """Read the peer's current epochs of `remote_ids` into epoch_scratch[local_ids]."""
+    def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
+        """Read the peer's current epochs of `remote_ids` (of `tier`) into epoch_scratch[local_ids]."""
         peer = self.peers[engine_id]
+        _, epochs_address = peer.addresses(tier)
         item = self.epochs.itemsize
         local, remote = [], []
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
             local.append((self.epoch_scratch.ctypes.data + local_start * item, count * item, 0))
-            remote.append((peer.epochs_address + remote_start * item, count * item, 0))
+            remote.append((epochs_address + remote_start * item, count * item, 0))
         return self._start(peer, local, remote)
 
     def _start(self, peer: Peer, local: list, remote: list):

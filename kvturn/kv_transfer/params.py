@@ -9,6 +9,8 @@ from typing import Any
 
 MAX_BLOCKS = 1 << 20  # a longer list is not a KV pool's worth of block ids
 SECRET_HEADER = "X-Kvturn-Cluster-Secret"  # the cluster secret, shown by the router and by peers
+POOL, HOST = "pool", "host"  # where a lease's blocks live on their holder: its engine pool, or its host tier
+TIERS = (POOL, HOST)
 
 
 class BadKVParams(ValueError):
@@ -59,6 +61,10 @@ class KVTransferParams:
     handle: str | None = None  # names the retention lease; bound to the conversation
     first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
     binding: str | None = None  # MAC of the handle and what the lease is bound to, under the cluster secret
+    remote_blocks_tier: str | None = None  # where the blocks live on their holder: "pool" or "host" (its host tier)
+    # Seconds the lease has left, as its last holder of the record counted them: each receiver sets its own deadline
+    # on its own clock from this (remote_blocks_expiry_time is the holder's wall clock, which no other machine reads).
+    remote_blocks_ttl_s: float | None = None
 
     @classmethod
     def parse(cls, raw: Any) -> "KVTransferParams":
@@ -75,13 +81,17 @@ class KVTransferParams:
                 values[spec.name] = bool(_typed(value, bool, spec.name))
             else:
                 kind = {"remote_port": int, "remote_num_tokens": int, "tp_size": int, "first_token_id": int,
-                        "remote_blocks_expiry_time": float}.get(spec.name, str)
+                        "remote_blocks_expiry_time": float, "remote_blocks_ttl_s": float}.get(spec.name, str)
                 values[spec.name] = _typed(value, kind, spec.name)
         params = cls(**values)
         if params.do_remote_decode and params.do_remote_prefill:
             raise BadKVParams("do_remote_decode and do_remote_prefill cannot both be true")
         if params.remote_port is not None and not 0 < params.remote_port < 65536:
             raise BadKVParams("remote_port must be a TCP port")
+        if params.remote_blocks_tier not in (None, *TIERS):
+            raise BadKVParams(f"remote_blocks_tier must be one of {TIERS}")
+        if params.remote_blocks_ttl_s is not None and params.remote_blocks_ttl_s < 0:
+            raise BadKVParams("remote_blocks_ttl_s must be >= 0")
         return params
 
     def to_json(self) -> dict[str, Any]:
@@ -102,10 +112,10 @@ class KVTransferParams:
         if None in (self.handle, self.remote_block_ids, self.remote_block_hashes, self.remote_block_epochs,
                     self.remote_num_tokens, self.remote_blocks_expiry_time):
             return None
-        return {"handle": self.handle, "block_ids": self.remote_block_ids, "block_hashes": self.remote_block_hashes,
-                "block_epochs": self.remote_block_epochs, "num_tokens": self.remote_num_tokens,
-                "expiry_time": self.remote_blocks_expiry_time, "first_token_id": self.first_token_id,
-                "binding": self.binding}
+        return {"handle": self.handle, "tier": self.remote_blocks_tier or POOL, "block_ids": self.remote_block_ids,
+                "block_hashes": self.remote_block_hashes, "block_epochs": self.remote_block_epochs,
+                "num_tokens": self.remote_num_tokens, "expiry_time": self.remote_blocks_expiry_time,
+                "ttl_s": self.remote_blocks_ttl_s, "first_token_id": self.first_token_id, "binding": self.binding}
 
     def for_next_prefill(self, remote_num_tokens: int | None = None) -> dict[str, Any]:
         """A decode worker's retention params, as the next turn's prefill call carries them (vLLM's proxy does
@@ -163,4 +173,5 @@ def retention_params(lease: dict, engine_id: str, request_id: str, host: str, po
         remote_request_id=request_id, remote_block_ids=lease["block_ids"], remote_host=host, remote_port=port,
         remote_num_tokens=lease["num_tokens"], remote_blocks_expiry_time=lease["expiry_time"], tp_size=1,
         transfer_mode="pull", remote_block_hashes=lease["block_hashes"], remote_block_epochs=lease["block_epochs"],
-        handle=lease["handle"], first_token_id=lease.get("first_token_id"), binding=binding).to_json()
+        handle=lease["handle"], first_token_id=lease.get("first_token_id"), binding=binding,
+        remote_blocks_tier=lease.get("tier"), remote_blocks_ttl_s=lease.get("ttl_s")).to_json()

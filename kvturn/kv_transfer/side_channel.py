@@ -9,6 +9,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 
 import httpx
 import orjson
@@ -18,7 +19,8 @@ from fastapi.responses import JSONResponse
 from kvturn.errors import error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
-from kvturn.kv_transfer.params import SECRET_HEADER, RemoteRef
+from kvturn.kv_transfer.nixl_agent import Peer
+from kvturn.kv_transfer.params import POOL, SECRET_HEADER, TIERS, RemoteRef
 
 log = logging.getLogger(__name__)
 PEER_HEADER = "X-Kvturn-Peer"  # the caller's own side-channel address (host:port), so the peer can connect back
@@ -39,7 +41,9 @@ def refusal(request: Request, secret: str | None, on_refused) -> JSONResponse | 
 
 
 PIN, LEASE = "pin", "lease"  # P's pin of a prompt for one decode; D's lease of a finished turn
-RECORD_FIELDS = ("handle", "block_ids", "block_hashes", "block_epochs", "num_tokens", "expiry_time", "first_token_id")
+# What the binding MACs. Not the lease's time left (`ttl_s`): whoever relays the record counts it down.
+RECORD_FIELDS = ("handle", "block_ids", "block_hashes", "block_epochs", "num_tokens", "expiry_time", "first_token_id",
+                 "tier")
 
 
 def lease_binding(secret: str, kind: str, engine_id: str, binding_key: str, record: dict) -> str:
@@ -67,19 +71,26 @@ def token_id(value, vocab_size: int) -> int | None:
     return value if type(value) is int and 0 <= value < vocab_size else None
 
 
-def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, block_size: int,
-                vocab_size: int) -> RemoteBlocks | None:
-    """A peer's account of its lease, checked field by field; None if anything is off."""
+def parse_lease(payload, peer: Peer, handle: str, block_size: int, vocab_size: int,
+                now: float) -> RemoteBlocks | None:
+    """A peer's account of its lease, checked field by field; None if anything is off. Its time left (`ttl_s`, a
+    duration) becomes a deadline on the reader's own clock, of which `now` is the reading."""
     if not isinstance(payload, dict):
         return None
-    block_ids = _ints(payload.get("block_ids"), high=peer_pool_blocks)
+    tier = payload.get("tier", POOL)
+    if tier not in TIERS:
+        return None
+    block_ids = _ints(payload.get("block_ids"), high=peer.blocks_in(tier))
     if not block_ids:
         return None
     hashes = _ints(payload.get("block_hashes"), len(block_ids))
     epochs = _ints(payload.get("block_epochs"), len(block_ids))
-    expiry, num_tokens = payload.get("expiry_time"), payload.get("num_tokens")
+    ttl_s, num_tokens = payload.get("ttl_s"), payload.get("num_tokens")
     first_token = payload.get("first_token_id")
-    if hashes is None or epochs is None or isinstance(expiry, bool) or not isinstance(expiry, (int, float)):
+    expiry = payload.get("expiry_time")
+    if ttl_s is None and type(expiry) in (int, float):
+        ttl_s = max(expiry - time.time(), 0.0)  # a peer of a version before `ttl_s`: its wall clock, as it was
+    if hashes is None or epochs is None or type(ttl_s) not in (int, float) or not 0 <= ttl_s < float("inf"):
         return None
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         return None
@@ -87,8 +98,8 @@ def parse_lease(payload, engine_id: str, handle: str, peer_pool_blocks: int, blo
         return None
     if first_token is not None and token_id(first_token, vocab_size) is None:
         return None
-    return RemoteBlocks(engine_id, block_ids, hashes, epochs, float(expiry), handle, num_tokens=num_tokens,
-                        first_token_id=first_token)
+    return RemoteBlocks(peer.engine_id, block_ids, hashes, epochs, now + ttl_s, handle, num_tokens=num_tokens,
+                        first_token_id=first_token, tier=tier)
 
 
 def peer_address(value: str | None) -> str | None:
@@ -147,9 +158,10 @@ class PeerClient:
             self.known[address] = info
         return self.known[address]
 
-    async def acquire(self, ref: RemoteRef, engine_id: str, peer_pool_blocks: int, block_size: int,
-                      vocab_size: int) -> RemoteBlocks | str:
-        """The peer's authoritative view of the lease, or a decline reason."""
+    async def acquire(self, ref: RemoteRef, peer: Peer, block_size: int, vocab_size: int,
+                      clock) -> RemoteBlocks | str:
+        """The peer's authoritative view of the lease (which renews it there), or a decline reason. `clock`: the
+        reader's own, on which the lease's deadline is set when the answer comes."""
         try:
             response = await self.http.post(f"http://{ref.address}/kv/lease/acquire",
                                             json={"handle": ref.handle, "binding_key": ref.binding_key})
@@ -163,7 +175,7 @@ class PeerClient:
             payload = response.json()
         except ValueError:
             payload = None
-        lease = parse_lease(payload, engine_id, ref.handle, peer_pool_blocks, block_size, vocab_size)
+        lease = parse_lease(payload, peer, ref.handle, block_size, vocab_size, clock())
         if lease is None:
             log.warning("peer %s answered a malformed lease; recomputing", ref.address)
             return policy.BAD_PEER_REPLY
@@ -214,10 +226,10 @@ def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_re
         parsed = await lease_request(request)
         if isinstance(parsed, JSONResponse):
             return parsed
-        lease = connector.leases.lookup(*parsed)
-        if lease is None:
+        record = connector.leases.acquire(*parsed)
+        if record is None:
             return error_response(404, "no live lease with that handle for that key")
-        return JSONResponse(lease.to_public())
+        return JSONResponse(record)
 
     @app.post("/kv/lease/release")
     async def release(request: Request):
@@ -225,4 +237,18 @@ def mount(app: FastAPI, connector: KVConnector | None, secret: str | None, on_re
         if isinstance(parsed, JSONResponse):
             return parsed
         released = await run_on_engine(lambda: connector.leases.release(*parsed))
+        return {"released": released}
+
+    @app.post("/kv/conversation/release")
+    async def release_conversation(request: Request):
+        """A session ended (the router's DELETE /v1/conversations/{id}): drop what this worker retains for it."""
+        if (denied := refused(request)) is not None:
+            return denied
+        try:
+            key = (await request.json())["binding_key"]
+            if not isinstance(key, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return error_response(400, "expected {binding_key: str}")
+        released = await run_on_engine(lambda: connector.leases.release_conversation(key))
         return {"released": released}

@@ -19,7 +19,7 @@ from kvturn.config import RouterConfig, is_redis_url
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.registry import WorkerRegistry
-from kvturn.router import keys
+from kvturn.router import keys, sessions
 from kvturn.router.conversations import ConversationTable
 from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
@@ -63,6 +63,9 @@ class RouterMetrics:
                                    registry=self.registry)
         self.state_errors = Counter("kvturn_router_state_errors", "Conversation store calls that failed (the turn "
                                     "recomputed)", registry=self.registry)
+        self.sessions_ended = Counter("kvturn_router_sessions_ended", "Sessions ended by their client (DELETE "
+                                      "/v1/conversations/ID, or end_session on a last turn), by outcome", ["outcome"],
+                                      registry=self.registry)
 
 
 class Router:
@@ -265,6 +268,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         body = parse_json_object(raw)
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
+        end_session = body.pop("end_session", None) is True  # the last turn: release its KV once answered
         conversation, history = await router.conversation(body, request, chat, scope)
         # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),
         # waits for one to come back within no_worker_wait_s and runs again: a restarted worker carries it over.
@@ -276,7 +280,10 @@ def create_app(config: RouterConfig) -> FastAPI:
                 work = IdleClock()
             response = await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
             if response.status_code != 503 or router.has_workers() or not await router.wait_for_workers(deadline):
+                if end_session and conversation is not None:
+                    sessions.ending_after(response, router, conversation)
                 return response
             router.metrics.retries.labels("worker_back").inc()
 
+    sessions.mount(app, router)
     return app

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvturn.router.lease_time import lease_end, with_time_left
+
 
 @dataclass(slots=True)
 class Conversation:
@@ -24,6 +26,7 @@ class Conversation:
     # Bytes of the history's messages up to the answer, whose KV the lease holds: the next turn's prompt estimate
     # counts only the bytes added since (costmodel.tokens.TokenEstimator.prompt_tokens).
     history_bytes: int = 0
+    stored_at: float = 0.0  # wall clock of the router that stored it: how long the lease has gone unused since
 
     @classmethod
     def from_fields(cls, fields: dict) -> "Conversation":
@@ -56,30 +59,38 @@ class ConversationTable:
         for key, url, params, expires, extra in rows:
             extra = json.loads(extra or "{}")
             self._entries[key] = Conversation(key, url, json.loads(params), expires, extra.get("order", 0),
-                                              extra.get("prompt_token_ids"), extra.get("history_bytes", 0))
+                                              extra.get("prompt_token_ids"), extra.get("history_bytes", 0),
+                                              extra.get("stored_at", 0.0))
         for digest, key, expires in self._db.execute("SELECT hash, key, expires_at FROM history ORDER BY expires_at"):
             self._history[digest] = (key, expires)
 
     async def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
-        """The live entry, or None and why: "expired" when the lease ran out (the turn came too late)."""
+        """The live entry, its lease's time left counted down, or None and why: "expired" when the lease ran out
+        (the turn came too late)."""
         entry = self._entries.get(key)
-        if entry is not None and entry.expires_at <= time.time():
+        now = time.time()
+        if entry is not None and entry.expires_at <= now:
             self._drop(key)
             return None, "expired"
-        return entry, None
+        if entry is None:
+            return None, None
+        kv_params = with_time_left(entry.kv_params, entry.expires_at - now)
+        return Conversation(**{**{f: getattr(entry, f) for f in Conversation.__dataclass_fields__},
+                               "kv_params": kv_params}), None
 
     async def put(self, entry: Conversation) -> bool:
         """Store `entry` unless the table holds a newer turn of the conversation; whether it was stored."""
         current = self._entries.get(entry.key)
         if current is not None and current.order > entry.order and current.expires_at > time.time():
             return False
-        lease_end = float(entry.kv_params.get("remote_blocks_expiry_time") or float("inf"))
-        entry.expires_at = min(time.time() + self.ttl_s, lease_end)
+        now = time.time()
+        entry.expires_at = min(now + self.ttl_s, lease_end(entry.kv_params, now))
+        entry.stored_at = now
         self._entries.pop(entry.key, None)
         self._entries[entry.key] = entry
         if self._db:
             extra = json.dumps({"order": entry.order, "prompt_token_ids": entry.prompt_token_ids,
-                                "history_bytes": entry.history_bytes})
+                                "history_bytes": entry.history_bytes, "stored_at": entry.stored_at})
             self._db.execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?)",
                              (entry.key, entry.decode_url, json.dumps(entry.kv_params), entry.expires_at, extra))
         while len(self._entries) > self.max_entries:

@@ -112,6 +112,7 @@ class KvturnWorkers(TurnBackend):
             "prefill_worker": turn.prefill_url,
             "decode_worker": decode_url,
             "reuse": prefill.get("reuse"),
+            "kv_tier": prefill.get("kv_tier"),  # which tier of D's P read the history from (pool or host)
             "first_token_from": turn.first_token_from,
             "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
             "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),

@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 from kvturn.redis_client import ERRORS, connect
 from kvturn.router.conversations import Conversation
+from kvturn.router.lease_time import lease_end, with_time_left
 
 UNAVAILABLE = "state_unavailable"
 TIMEOUT_S = 1.0  # a hung Redis costs one turn this long, then the others nothing (0.5 s misfired on busy 2 cores)
@@ -88,9 +89,10 @@ class RedisConversationTable:
 
     async def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
         """The live entry, or None and why: "expired" (the lease ran out) or "state_unavailable" (Redis is down)."""
-        raw = await self._call(lambda: self.redis.hget(self._conversation_prefix + key, "entry"))
-        if raw is _FAILED:
+        found = await self._call(lambda: self._entry_and_time_left(self._conversation_prefix + key))
+        if found is _FAILED:
             return None, UNAVAILABLE
+        raw, left_ms = found
         if raw is None:
             return None, None
         try:
@@ -98,15 +100,27 @@ class RedisConversationTable:
         except (TypeError, ValueError):  # not an entry any version of the router wrote: no reuse this turn
             log.warning("conversation entry %s in the shared store is malformed; ignoring it", key)
             return None, None
-        if entry.expires_at <= time.time():
-            return None, "expired"
+        if left_ms is not None:  # its time left by Redis's own clock, not the wall clock of the replica that wrote it
+            if left_ms <= 0:
+                return None, "expired"
+            entry.expires_at = time.time() + left_ms / 1000
+            entry.kv_params = with_time_left(entry.kv_params, left_ms / 1000)
         return entry, None
+
+    async def _entry_and_time_left(self, name: str) -> tuple[str | None, int | None]:
+        """The entry's JSON and its ms left in Redis (None for a key without expiry, which kvturn never writes)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hget(name, "entry")
+            pipe.pttl(name)
+            raw, left_ms = await pipe.execute()
+        return raw, (left_ms if isinstance(left_ms, int) and left_ms != -1 else None)
 
     async def put(self, entry: Conversation) -> bool:
         """Store `entry` unless Redis holds a newer turn of the conversation; whether it was stored."""
-        lease_end = float(entry.kv_params.get("remote_blocks_expiry_time") or float("inf"))
-        entry.expires_at = min(time.time() + self.ttl_s, lease_end)
-        ttl_ms = int((entry.expires_at - time.time()) * 1000)
+        now = time.time()
+        entry.expires_at = min(now + self.ttl_s, lease_end(entry.kv_params, now))
+        entry.stored_at = now
+        ttl_ms = int((entry.expires_at - now) * 1000)
         if ttl_ms <= 0:
             return False
         stored = await self._call(lambda: self._put(keys=[self._conversation_prefix + entry.key],

@@ -2,7 +2,7 @@
 tokens, the lease, the workers' load) and the path it picks; after, what the turn really cost, to learn from."""
 from kvturn import costmodel
 from kvturn.costmodel.reports import own_read_ms, reported_prompt_tokens, shared_steps
-from kvturn.router import keys
+from kvturn.router import keys, lease_tier
 from kvturn.router.first_token import may_send_ahead
 
 
@@ -34,9 +34,10 @@ class TurnCosts:
                 running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
         prefill = router.prefill.least_loaded()
+        tier = lease_tier.guess(entry, router.decode.find(entry.decode_url) if entry else None)
         return costmodel.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                                   prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
-                                  decode_backlog, may_send_ahead(turn.body, turn.chat), step_ms)
+                                  decode_backlog, may_send_ahead(turn.body, turn.chat), step_ms, retained_tier=tier)
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens: counted with the model's tokenizer where the router has it (--tokenizer) and the

@@ -29,6 +29,9 @@ class WorkerState:
     token_gaps_ms: deque = field(default_factory=lambda: deque(maxlen=64))  # between tokens of streams relayed
     calibration_asked: bool = False  # its start-up prefill timings were asked for (router app: learn_calibration)
     last_done: float = 0.0  # when a request's predicted work was last done: the worker then took up the others
+    # A decode worker with a host tier: how long its least recently used lease still in its pool has gone unused, as
+    # its last /health said (None: no lease has had to move; router/lease_tier.py)
+    pool_horizon_s: float | None = None
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # seconds; `kvturn plan` simulates it
 
     @property
@@ -72,6 +75,15 @@ class Claim:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def pool_horizon(reply) -> float | None:
+    """`retention.pool_horizon_s` of a kvturn worker's /health reply, if it says one."""
+    try:
+        value = reply.json()["retention"]["pool_horizon_s"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return float(value) if type(value) in (int, float) and value >= 0 else None
 
 
 class WorkerPool:
@@ -122,9 +134,12 @@ class WorkerPool:
         """Probe the workers' health (`dead_only`: those out of the rotation), taking back those that answer."""
         async def probe(worker: WorkerState):
             try:
-                ok = (await client.get(f"{worker.url}/health", timeout_s=2.0)).status == 200
+                reply = await client.get(f"{worker.url}/health", timeout_s=2.0)
+                ok = reply.status == 200
             except Unreachable:
                 ok = False
+            if ok:
+                worker.pool_horizon_s = pool_horizon(reply)
             if ok and not worker.healthy:
                 log.info("%s worker %s is back", self.role, worker.url)
             worker.healthy = ok

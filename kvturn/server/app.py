@@ -160,7 +160,13 @@ def create_app(config: WorkerConfig) -> FastAPI:
     async def health():
         if not worker.async_engine.alive:
             return error_response(503, "engine is not running")
-        return {"status": "ok", "role": config.role, "engine_id": worker.engine_id, "backend": "kvturn"}
+        reply = {"status": "ok", "role": config.role, "engine_id": worker.engine_id, "backend": "kvturn"}
+        if worker.connector is not None:
+            leases = worker.connector.leases
+            # A router guesses from it which tier holds a lease it knows (router/lease_tier.py).
+            reply["retention"] = {"host_tier": worker.connector.host is not None,
+                                  "pool_horizon_s": leases.pool_horizon_s()}
+        return reply
 
     @app.get("/kv/calibration")
     async def calibration():

@@ -4,6 +4,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.kv_transfer.connector import ConnectorStats, KVConnector
+from kvturn.kv_transfer.params import HOST, POOL, TIERS
 from kvturn.kv_transfer.policy import DECLINE_REASONS
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -31,6 +32,12 @@ class EngineCollector:
                                             "was seen done", kv_stats.kv_read_step_seconds),
             "kvturn_kv_reads": ("KV reads from peers completed", kv_stats.kv_reads),
             "kvturn_preemptions": ("Sequences preempted for lack of KV blocks", engine.scheduler.num_preemptions),
+            "kvturn_kv_host_restores": ("Turns whose history this worker copied back from its own host tier",
+                                        kv_stats.host_restores),
+            "kvturn_kv_host_restore_bytes": ("Bytes copied back from this worker's host tier",
+                                             kv_stats.host_restore_bytes),
+            "kvturn_kv_host_restore_seconds": ("Seconds copying back from this worker's host tier",
+                                               kv_stats.host_restore_seconds),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -39,6 +46,7 @@ class EngineCollector:
         for reason in DECLINE_REASONS:
             declines.add_metric([reason], kv_stats.reuse_declines.get(reason, 0))
         yield declines
+        yield from self.tiers(kv_stats)
         leases = self.connector.leases if self.connector else None
         nixl = self.connector.nixl if self.connector else None
         lease_events = CounterMetricFamily("kvturn_kv_leases", "Retention leases by what ended them",
@@ -65,6 +73,39 @@ class EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+    def tiers(self, kv_stats: ConnectorStats):
+        """Retention per tier: bytes held, moves between tiers, reads of each tier (by this worker from peers, and of
+        this worker's leases as it saw them)."""
+        block_bytes = self.engine.kv_cache.layout.block_bytes
+        leases = self.connector.leases if self.connector else None
+        host = self.connector.host if self.connector else None
+        by_tier = {
+            ("kvturn_kv_tier_retained_bytes", GaugeMetricFamily, "KV bytes held by retention leases, by tier"):
+                {tier: (leases.blocks_in(tier) * block_bytes if leases else 0) for tier in TIERS},
+            ("kvturn_kv_tier_capacity_bytes", GaugeMetricFamily, "Bytes of each tier (the pool's for all uses)"):
+                {POOL: self.engine.kv_cache.nbytes, HOST: host.cache.nbytes if host else 0},
+            ("kvturn_kv_tier_lease_reads", CounterMetricFamily, "Reads of this worker's leases it saw (a peer's "
+             "lease acquire, its own copy back from the host tier), by tier"):
+                {tier: (leases.reads[tier] if leases else 0) for tier in TIERS},
+            ("kvturn_kv_tier_reads", CounterMetricFamily, "KV reads from peers completed, by the tier they read"):
+                {tier: kv_stats.reads_by_tier[tier] for tier in TIERS},
+            ("kvturn_kv_tier_read_bytes", CounterMetricFamily, "Bytes of KV read from peers, by tier"):
+                {tier: kv_stats.read_bytes_by_tier[tier] for tier in TIERS},
+            ("kvturn_kv_tier_read_seconds", CounterMetricFamily, "Seconds reading KV from peers, by tier"):
+                {tier: kv_stats.read_seconds_by_tier[tier] for tier in TIERS},
+        }
+        for (name, kind, doc), values in by_tier.items():
+            family = kind(name, doc, labels=["tier"])
+            for tier, value in values.items():
+                family.add_metric([tier], value)
+            yield family
+        moves = CounterMetricFamily("kvturn_kv_tier_moves", "Leases moved between tiers (pool to host under pressure; "
+                                    "host to pool: copied back for this worker's own use)", labels=["from", "to"])
+        for (source, target) in ((POOL, HOST), (HOST, POOL)):
+            moves.add_metric([source, target], leases.moves[(source, target)] if leases else 0)
+        yield moves
 
 
 class WorkerMetrics:

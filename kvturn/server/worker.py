@@ -22,6 +22,7 @@ from kvturn.kv_transfer import params as kv_params
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
 from kvturn.kv_transfer.nixl_agent import LayoutMismatch
+from kvturn.kv_transfer.params import HOST, POOL
 from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient, parse_lease, token_id
 from kvturn.model.loader import load_model
 from kvturn.model.tokenizer import ChatTokenizer
@@ -29,6 +30,15 @@ from kvturn.server.metrics import WorkerMetrics
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("kvturn.worker")
+
+
+def record_is_current(record: dict, kind: str, peer) -> bool:
+    """Whether a relayed lease record can still say where the blocks are: not when it names the pool of a peer
+    with a host tier (the lease may have moved there since; the peer's own answer says where it is now), nor when
+    it carries no time left (a router that does not count it down)."""
+    if record.get("ttl_s") is None:
+        return False
+    return kind == PIN or record.get("tier", POOL) == HOST or not peer.host_blocks
 
 
 class Worker:
@@ -166,17 +176,18 @@ class Worker:
         except Exception:
             log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
             return policy.PEER_UNREACHABLE
-        if vouched and self.peers.record_is_bound(ref, PIN if prefilled_for_us else LEASE):
+        kind = PIN if prefilled_for_us else LEASE
+        if vouched and self.peers.record_is_bound(ref, kind) and record_is_current(ref.record, kind, peer):
             # The peer's own account of its lease (P's pin for this request, or D's lease from the last turn),
             # relayed by a caller holding the cluster secret: no round trip to the peer before the read. What the
             # peer's answer would add is checked here: its MAC binds the lease to this conversation (or request),
-            # the block hashes must match this prompt's, the expiry is in the record, and the epochs read back
+            # the block hashes must match this prompt's, the time left is in the record, and the epochs read back
             # after the bytes prove the blocks were not recycled meanwhile.
-            remote = parse_lease(ref.record, peer.engine_id, ref.handle, peer.layout.num_blocks,
-                                 self.engine.block_size, self.vocab_size) or policy.BAD_PEER_REPLY
+            remote = parse_lease(ref.record, peer, ref.handle, self.engine.block_size, self.vocab_size,
+                                 self.connector.clock()) or policy.BAD_PEER_REPLY
         else:
-            remote = await self.peers.acquire(ref, peer.engine_id, peer.layout.num_blocks, self.engine.block_size,
-                                              self.vocab_size)
+            remote = await self.peers.acquire(ref, peer, self.engine.block_size, self.vocab_size,
+                                              self.connector.clock)
         if isinstance(remote, RemoteBlocks):
             remote.prefilled_for_us = prefilled_for_us
         return remote
@@ -267,7 +278,9 @@ class Worker:
             "prompt_tokens_remote": seq.num_remote_tokens,
             "completion_tokens": seq.num_output_tokens,
             "reuse": seq.reuse_outcome,
+            "kv_tier": seq.kv_tier,  # where the reused history lived: the peer's pool or host tier, or our own host
             "kv_read_bytes": t.kv_read_bytes,
+            "host_restore_bytes": t.host_restore_bytes,
             "timing": {
                 "ttft_ms": ttft * 1e3,
                 "kv_read_ms": t.kv_read_s * 1e3,
@@ -278,6 +291,7 @@ class Worker:
                 "tokenize_ms": t.tokenize_s * 1e3,
                 "side_channel_ms": t.side_channel_s * 1e3,
                 "engine_wait_ms": ((t.first_scheduled or t.arrival) - (t.submitted or t.arrival)) * 1e3,
+                "host_restore_ms": t.host_restore_s * 1e3,  # copying the history back from our own host tier
             },
         }
 
