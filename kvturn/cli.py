@@ -11,8 +11,9 @@ from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterCon
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-ModelOption = typer.Option(None, "--model", help="Hugging Face model directory (default: the embedded tiny model, "
-                                                 "written on first use)")
+ModelOption = typer.Option(None, "--model", help="Hugging Face model directory, or the name of a pulled model "
+                                                 "(`kvturn models list`); default: the embedded tiny model, written "
+                                                 "on first use")
 
 
 def option(cls, name: str, *flags: str, **extra):
@@ -29,8 +30,12 @@ def build(cls, **values):
 
 
 def resolve_model(model: Optional[Path], preset: str = "tiny") -> str:
-    from kvturn.model.make_model import default_model_dir
-    return str(model) if model else str(default_model_dir(preset))
+    from kvturn.model.pull import ModelNotFound, resolve
+    try:
+        return str(resolve(model, preset))
+    except ModelNotFound as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def chosen_legs(legs: str) -> list[str]:
@@ -412,6 +417,44 @@ def plan(
     report.print_plan(result, console)
     json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
     console.print(f"JSON: {json_path}\nHTML: {html_path}")
+
+
+models_app = typer.Typer(help="Real models: fetch one by name, or convert a local GGUF, into kvturn's cache.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="a known model (`kvturn models list`), or the name to give --gguf's"),
+                gguf_file: Optional[Path] = typer.Option(None, "--gguf", help="a local GGUF of a Llama or Qwen3 model "
+                                                         "to convert instead of downloading"),
+                force: bool = typer.Option(False, "--force", help="convert again even if already in the cache")):
+    """Write a Hugging Face model directory into the cache ($KVTURN_CACHE_DIR/models/NAME); then
+    `kvturn serve --model NAME`."""
+    import time
+
+    from kvturn.model import pull
+    from kvturn.model.gguf_import import UnsupportedGGUF
+    if not force and gguf_file is None and (done := pull.pulled_dir(name)) is not None:
+        typer.echo(f"{name} is already in {done} (--force converts it again)")
+        return
+    started = time.monotonic()
+    try:
+        path = pull.pull_gguf(gguf_file, name) if gguf_file else pull.pull_known(name)
+    except (pull.ModelNotFound, UnsupportedGGUF, ValueError, OSError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path} in {time.monotonic() - started:.0f} s; serve it with `kvturn serve --model {name}`")
+
+
+@models_app.command("list")
+def models_list():
+    """Models in the cache, and known ones not pulled yet."""
+    from kvturn.model import pull
+    for row in pull.list_models():
+        where = (f"{row['path']}  {row['size_bytes'] / 2**20:.0f} MiB  {row['architecture']}, {row['layers']} layers"
+                 if row["path"] else "not pulled (`kvturn models pull " + row["name"] + "`)")
+        typer.echo(f"{row['name']:<16} {where}  {row['description']}".rstrip())
 
 
 if __name__ == "__main__":

@@ -133,8 +133,8 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
 
 def default_model_dir(preset: str = "tiny") -> Path:
     """The embedded model, written on first use under the cache dir."""
-    cache = Path(os.environ.get("KVTURN_CACHE_DIR") or Path.home() / ".cache" / "kvturn")
-    model_dir = cache / f"embedded-{preset}-seed0"
+    from kvturn.model.pull import cache_root
+    model_dir = cache_root() / f"embedded-{preset}-seed0"
     if not (model_dir / "model.safetensors").exists():
         make_model(model_dir, preset=preset, seed=0)
     return model_dir
