@@ -281,7 +281,8 @@ def bench(
     else:
         results = {url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                                request_rate=request_rate, warmup_turns=warmup_turns,
-                                               max_turns=max_turns, seed=seed, count_tokens=tokenizer.count))}
+                                               max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
+                                               ignore_eos=spec.ignore_eos))}
     summaries = [report.summarize(leg, result) for leg, result in results.items()]
     ideal = comparison.ideal_speedup(results, model_dir) if compare else None
     info = machine()
@@ -298,6 +299,10 @@ def bench(
                       f"turn: {ideal['other_ms']:.0f} ms (router, side channel, queues)")
     elif ideal:
         console.print(f"ideal speedup: {ideal.get('note')}")
+    shown = conversations[0].conversation_id if spec.show_conversation and conversations else None
+    if shown:
+        from kvturn.bench import transcript
+        transcript.print_conversation(results, shown, console)
     paths_verdict = comparison.path_verdict(summaries) if compare else None
     if paths_verdict:
         v = paths_verdict
@@ -309,13 +314,16 @@ def bench(
                "machine": info, "pin_workers": bool(compare and pin_workers), "seed": seed, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,
+               "conversation": shown and {"turns": transcript.turn_rows(results, shown),
+                                          "messages": list(results.values())[-1].transcript},
                "legs": {leg: result.to_json() for leg, result in results.items()}}
     json_path = write_json(out_dir / "results.json", payload)
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
                                    "scenario": payload["description"]},
-                                  splits={leg: report.ttft_split(result) for leg, result in results.items()})
+                                  splits={leg: report.ttft_split(result) for leg, result in results.items()},
+                                  sections=transcript.html_section(results, shown) if shown else "")
     console.print(f"JSON: {json_path}\nplots: {', '.join(str(p) for p in plots.values())}\nHTML report: {html_path}")
     failed = sum(s["failed"] for s in summaries)
     raise typer.Exit(1 if failed else 0)

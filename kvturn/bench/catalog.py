@@ -39,6 +39,8 @@ class Scenario:
     sessions: int = 1
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    ignore_eos: bool = True  # False: answers end where a real model ends its turn
+    show_conversation: bool = False  # the report shows one conversation's questions and answers, turn by turn
 
 
 SCENARIOS = {
@@ -55,6 +57,10 @@ SCENARIOS = {
     "concurrent": Scenario("concurrent", "eight sessions at once", sessions=8),
     "agent-loop": Scenario("agent-loop", "a tool-calling agent: 2k-8k-token histories, 50-400 new tokens and "
                                          "16-64 answer tokens a turn, eight sessions at once", sessions=8),
+    "real-chat": Scenario("real-chat", "for a real model (kvturn models pull smollm2): one readable agent session, "
+                                       "each turn pasting Python standard-library source as a tool result and "
+                                       "asking about it; answers end at the model's end of turn",
+                          ignore_eos=False, show_conversation=True),
 }
 
 
@@ -91,4 +97,7 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       new_tokens={"distribution": "uniform", "min": 50, "max": 400},
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
+    if scenario == "real-chat":
+        from kvturn.bench import real_chat
+        return real_chat.conversations()
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

@@ -80,7 +80,8 @@ def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations,
             warm_up(stack.url, source)
             started_s = time.time()
             results[name] = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
-                                                   seed=seed, count_tokens=source.tokenizer.count))
+                                                   seed=seed, count_tokens=source.tokenizer.count,
+                                                   ignore_eos=scenario.ignore_eos))
             results[name].worker_calibration = worker_calibration(stack)
             results[name].worker_steps, missing = worker_steps(stack, started_s)
             if missing:
