@@ -131,3 +131,25 @@ def test_models_pull_converts_a_local_gguf_that_serve_then_finds_by_name(tiny_mo
     assert "mine" in listed and "Qwen3ForCausalLM" in listed and "not pulled" in listed  # smollm2 is known
     bad = runner.invoke(app, ["models", "pull", "../escape", "--gguf", str(tmp_path / "model.gguf")])
     assert bad.exit_code == 2 and not (tmp_path / "cache" / "escape").exists()
+
+
+def reference_pre_tokenizer(pre: str):
+    """How each model's own tokenizer.json (or transformers, for the regexes) cuts text before BPE."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    if pre == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "qwen2", "llama-bpe"])
+def test_each_pre_tokenizer_cuts_text_as_the_models_own(pre):
+    from kvturn.model.gguf_import import pre_tokenizer
+    ours, _ = pre_tokenizer(pre)
+    reference = reference_pre_tokenizer(pre)
+    for text in TEXTS + ["It's 2024: I'VE got 1234567 tokens\r\n\r\n  and   spaces!!\n", "x=[1,2];\tdone\n\n"]:
+        assert [p for p, _ in ours.pre_tokenize_str(text)] == [p for p, _ in reference.pre_tokenize_str(text)], text
