@@ -433,7 +433,7 @@ app.add_typer(models_app, name="models")
 
 
 @models_app.command("pull")
-def models_pull(name: str = typer.Argument(..., help="a known model (`kvturn models list`), or the name to give --gguf's"),
+def models_pull(name: str = typer.Argument(..., help="a known model (`kvturn models list`), or a name for --gguf's"),
                 gguf_file: Optional[Path] = typer.Option(None, "--gguf", help="a local GGUF of a Llama or Qwen3 model "
                                                          "to convert instead of downloading"),
                 force: bool = typer.Option(False, "--force", help="convert again even if already in the cache")):

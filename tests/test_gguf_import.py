@@ -85,7 +85,8 @@ def test_a_gguf_converts_back_to_the_directory_it_came_from(which, request, tmp_
     assert set(converted) == set(weights)
     for name, value in weights.items():
         assert np.array_equal(converted[name], value), name  # Llama's Q and K rows un-permuted exactly
-    original, config = json.loads((model_dir / "config.json").read_text()), json.loads((out / "config.json").read_text())
+    original = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
     for key in ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
                 "rope_theta", "tie_word_embeddings", "eos_token_id"):

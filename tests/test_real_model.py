@@ -90,8 +90,13 @@ def transformers_answer(smollm2_dir):
         if key not in answers:
             inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                    return_dict=True)
-            with torch.no_grad():
-                output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # on a busy machine, two threads spinning for each other run ~10x slower
+            try:
+                with torch.no_grad():
+                    output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            finally:
+                torch.set_num_threads(threads)
             prompt = inputs["input_ids"][0].tolist()
             new = output[0, len(prompt):].tolist()
             answers[key] = prompt, new, tokenizer.decode(new, skip_special_tokens=True)
