@@ -85,7 +85,7 @@ def html_section(results: dict[str, RunResult], conversation_id: str) -> str:
             fold = f"<details><summary>pasted tool output</summary><pre>{pasted}</pre></details>" if pasted else ""
             turns.append(f"<p><b>user</b>: {fold}{question}</p>")
         else:
-            turns.append(f"<p><b>{html.escape(message['role'])}</b>: {text}</p>")
+            turns.append(f"<p style='white-space:pre-wrap'><b>{html.escape(message['role'])}</b>: {text}</p>")
     return (f"<h2>One conversation, turn by turn ({html.escape(conversation_id)})</h2>"
             f"<table><tr>{head}</tr>{body}</table>"
             f"<h3>The conversation (answers identical on every leg: {same_answers(results)})</h3>"
