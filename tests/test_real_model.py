@@ -12,7 +12,8 @@ from kvturn.launch import LocalStack
 from kvturn.model import pull
 from kvturn.model.tokenizer import ChatTokenizer
 
-MAX_TOKENS = 40
+MAX_TOKENS = 32
+SYSTEM = "You are a helpful coding assistant. Answer briefly."
 BLOCK_SIZE = 16
 CODE = '''def dedent(text):
     """Remove any common leading whitespace from every line in `text`.
@@ -59,9 +60,34 @@ def smollm2_dir():
     return pull.pulled_dir("smollm2")
 
 
+def transformers_conversation(model_dir) -> list[tuple[list[int], list[int], str]]:
+    """Plain transformers' greedy conversation: per turn, (prompt ids, answer ids, answer text), each turn's messages
+    holding its earlier answers."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages, turns = [{"role": "system", "content": SYSTEM}], []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy machine, two threads spinning for each other ran ~10x slower
+    try:
+        for question in QUESTIONS:
+            messages.append({"role": "user", "content": question})
+            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                   return_dict=True)
+            with torch.no_grad():
+                output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+            prompt = inputs["input_ids"][0].tolist()
+            answer = output[0, len(prompt):].tolist()
+            turns.append((prompt, answer, tokenizer.decode(answer, skip_special_tokens=True)))
+            messages.append({"role": "assistant", "content": turns[-1][2]})
+    finally:
+        torch.set_num_threads(threads)
+    return turns
+
+
 @pytest.fixture(scope="module")
-def stacks(smollm2_dir, tmp_path_factory):
-    """Two P/D deployments started together, P's prefix cache off in both: history pulled D->P, or computed on D."""
+def deployment(smollm2_dir, tmp_path_factory):
+    """Two P/D deployments, P's prefix cache off in both (history pulled D->P, or computed on D), and transformers'
+    conversation, computed while the workers start."""
     logs = tmp_path_factory.mktemp("real-model-logs")
     built = {policy: LocalStack(smollm2_dir, prefix_caching_on_prefill=False, kv_cache_mb=96,
                                 worker_args=["--no-calibrate"], router_args=["--path-policy", policy],
@@ -70,49 +96,24 @@ def stacks(smollm2_dir, tmp_path_factory):
     try:
         for stack in built.values():
             stack.start_worker_processes()
+        reference = transformers_conversation(smollm2_dir)
         for stack in built.values():
             stack.wait_and_start_router()
-        yield built
+        yield built, reference
     finally:
         for stack in built.values():
             stack.stop()
 
 
-@pytest.fixture(scope="module")
-def transformers_answer(smollm2_dir):
-    """Greedy answer tokens of plain transformers to a message list, computed once per distinct list."""
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    answers = {}
-
-    def answer(messages: list[dict]) -> tuple[list[int], list[int], str]:
-        key = repr(messages)
-        if key not in answers:
-            inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                   return_dict=True)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # on a busy machine, two threads spinning for each other run ~10x slower
-            try:
-                with torch.no_grad():
-                    output = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-            finally:
-                torch.set_num_threads(threads)
-            prompt = inputs["input_ids"][0].tolist()
-            new = output[0, len(prompt):].tolist()
-            answers[key] = prompt, new, tokenizer.decode(new, skip_special_tokens=True)
-        return answers[key]
-    return answer
-
-
 @pytest.mark.parametrize("policy", ["pull", "compute_on_decode"])
-def test_six_turns_through_p_and_d_answer_as_transformers_token_for_token(policy, stacks, transformers_answer):
-    messages = [{"role": "system", "content": "You are a helpful coding assistant. Answer briefly."}]
+def test_six_turns_through_p_and_d_answer_as_transformers_token_for_token(policy, deployment):
+    stacks, reference = deployment
+    messages = [{"role": "system", "content": SYSTEM}]
     previous_prompt_tokens = 0
-    for turn, question in enumerate(QUESTIONS):
-        messages.append({"role": "user", "content": question})
+    for turn, (question, (prompt, expected, expected_text)) in enumerate(zip(QUESTIONS, reference)):
+        messages.append({"role": "user", "content": question})  # with kvturn's answers, equal to transformers' so far
         result = send(stacks[policy].url, messages, f"real-{policy}", stream=turn % 2 == 1, max_tokens=MAX_TOKENS,
                       extra={"ignore_eos": False})
-        prompt, expected, expected_text = transformers_answer(messages)
         assert result["usage"]["prompt_tokens"] == len(prompt), turn
         assert result["text"] == expected_text, turn
         assert result["usage"]["completion_tokens"] == len(expected), turn
