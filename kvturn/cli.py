@@ -11,8 +11,9 @@ from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterCon
 app = typer.Typer(help="kvturn: prefill/decode disaggregated serving with bidirectional KV transfer.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-ModelOption = typer.Option(None, "--model", help="Hugging Face model directory (default: the embedded tiny model, "
-                                                 "written on first use)")
+ModelOption = typer.Option(None, "--model", help="Hugging Face model directory, or the name of a pulled model "
+                                                 "(`kvturn models list`); default: the embedded tiny model, written "
+                                                 "on first use")
 
 
 def option(cls, name: str, *flags: str, **extra):
@@ -29,8 +30,12 @@ def build(cls, **values):
 
 
 def resolve_model(model: Optional[Path], preset: str = "tiny") -> str:
-    from kvturn.model.make_model import default_model_dir
-    return str(model) if model else str(default_model_dir(preset))
+    from kvturn.model.pull import ModelNotFound, resolve
+    try:
+        return str(resolve(model, preset))
+    except ModelNotFound as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def chosen_legs(legs: str) -> list[str]:
@@ -326,7 +331,8 @@ def bench(
     else:
         runs = [{url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                              request_rate=request_rate, warmup_turns=warmup_turns,
-                                             max_turns=max_turns, seed=seed, count_tokens=tokenizer.count))}]
+                                             max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
+                                             ignore_eos=spec.ignore_eos))}]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
@@ -354,6 +360,10 @@ def bench(
     ideal_spread = spread.ideal_spread(ideals)
     if ideal_spread and repeats > 1:
         console.print(spread.ideal_text(ideal_spread))
+    shown = conversations[0].conversation_id if spec.show_conversation and conversations else None
+    if shown:
+        from kvturn.bench import transcript
+        transcript.print_conversation(results, shown, console)
     paths_verdict = comparison.path_verdict(summaries) if compare else None
     if paths_verdict:
         v = paths_verdict
@@ -367,6 +377,8 @@ def bench(
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,
+               "conversation": shown and {"turns": transcript.turn_rows(results, shown),
+                                          "messages": list(results.values())[-1].transcript},
                "legs": {leg: result.to_json() for leg, result in results.items()},
                "spread": {"legs": leg_spreads, "ratios": ratios,
                           "ideal_speedup": ideal_spread},
@@ -382,7 +394,8 @@ def bench(
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
                                    "scenario": payload["description"]},
                                   splits={leg: report.ttft_split(result) for leg, result in results.items()},
-                                  words=words, spread_html=spread.html(leg_spreads, ratios, repeats))
+                                  words=words, spread_html=spread.html(leg_spreads, ratios, repeats),
+                                  sections=transcript.html_section(results, shown) if shown else "")
     console.print(f"JSON: {json_path}\nsummary: {summary_path}\nplots: {', '.join(str(p) for p in plots.values())}"
                   f"\nHTML report: {html_path}")
     failed = sum(s["failed"] for summaries in every_summary for s in summaries)
@@ -485,6 +498,44 @@ def plan(
     report.print_plan(result, console)
     json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
     console.print(f"JSON: {json_path}\nHTML: {html_path}")
+
+
+models_app = typer.Typer(help="Real models: fetch one by name, or convert a local GGUF, into kvturn's cache.",
+                         no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="a known model (`kvturn models list`), or a name for --gguf's"),
+                gguf_file: Optional[Path] = typer.Option(None, "--gguf", help="a local GGUF of a Llama or Qwen3 model "
+                                                         "to convert instead of downloading"),
+                force: bool = typer.Option(False, "--force", help="convert again even if already in the cache")):
+    """Write a Hugging Face model directory into the cache ($KVTURN_CACHE_DIR/models/NAME); then
+    `kvturn serve --model NAME`."""
+    import time
+
+    from kvturn.model import pull
+    from kvturn.model.gguf_import import UnsupportedGGUF
+    if not force and gguf_file is None and (done := pull.pulled_dir(name)) is not None:
+        typer.echo(f"{name} is already in {done} (--force converts it again)")
+        return
+    started = time.monotonic()
+    try:
+        path = pull.pull_gguf(gguf_file, name) if gguf_file else pull.pull_known(name)
+    except (pull.ModelNotFound, UnsupportedGGUF, ValueError, OSError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {path} in {time.monotonic() - started:.0f} s; serve it with `kvturn serve --model {name}`")
+
+
+@models_app.command("list")
+def models_list():
+    """Models in the cache, and known ones not pulled yet."""
+    from kvturn.model import pull
+    for row in pull.list_models():
+        where = (f"{row['path']}  {row['size_bytes'] / 2**20:.0f} MiB  {row['architecture']}, {row['layers']} layers"
+                 if row["path"] else "not pulled (`kvturn models pull " + row["name"] + "`)")
+        typer.echo(f"{row['name']:<16} {where}  {row['description']}".rstrip())
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ class Scenario:
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     legs: tuple[str, ...] | None = None  # what `--compare` runs when no --legs is given (None: DEFAULT_LEGS)
+    ignore_eos: bool = True  # False: answers end where a real model ends its turn
+    show_conversation: bool = False  # the report shows one conversation's questions and answers, turn by turn
 
 
 SCENARIOS = {
@@ -92,6 +94,10 @@ SCENARIOS = {
     "memory-pressure": Scenario("memory-pressure", "32 live sessions of 1-2.5k tokens with 5-15 s think times: "
                                                    "five times what the retention legs' pool budget holds",
                                 sessions=32),
+    "real-chat": Scenario("real-chat", "for a real model (kvturn models pull smollm2): one readable agent session, "
+                                       "each turn pasting Python standard-library source as a tool result and "
+                                       "asking about it; answers end at the model's end of turn",
+                          ignore_eos=False, show_conversation=True),
 }
 
 
@@ -136,4 +142,7 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       num_turns=turns, new_tokens={"distribution": "uniform", "min": 100, "max": 200},
                                       answer_tokens=32, gap_s={"distribution": "uniform", "min": 5, "max": 15})
         return workload.synthetic(spec, source, seed, "pressure")
+    if scenario == "real-chat":
+        from kvturn.bench import real_chat
+        return real_chat.conversations()
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")

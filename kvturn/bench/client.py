@@ -97,11 +97,13 @@ class RunResult:
     worker_calibration: dict[str, list] = field(default_factory=dict)
     # role -> the forward steps its worker ran during the run (its /kv/steps), when the bench launched it
     worker_steps: dict[str, list] = field(default_factory=dict)
+    transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
-                "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps}
+                "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
+                "transcript": self.transcript}
 
 
 class RateLimiter:
@@ -273,6 +275,8 @@ async def run(url: str | list[str], conversations: list[Conversation], sessions:
                     session = SessionRecord(conv.conversation_id, client_id, time.perf_counter() - start)
                     result.sessions.append(session)
                     messages = [{"role": "system", "content": conv.system}] if conv.system else []
+                    if conv is conversations[0]:
+                        result.transcript = messages
                     for index, turn in enumerate(conv.turns[:max_turns or len(conv.turns)]):
                         if out_of_time():
                             break

@@ -79,7 +79,8 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
         warm_up(stack.url, source)
         started_s = time.time()
         result = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
-                                        seed=seed, count_tokens=source.tokenizer.count))
+                                        seed=seed, count_tokens=source.tokenizer.count,
+                                        ignore_eos=scenario.ignore_eos))
         result.worker_calibration = worker_calibration(stack)
         result.worker_steps, missing = worker_steps(stack, started_s)
         if missing:

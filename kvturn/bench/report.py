@@ -245,8 +245,10 @@ def cell(stats: dict, key: str, form: str) -> str:
 
 
 def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, Path], extra: dict,
-               splits: dict[str, dict] | None = None, words: str | None = None, spread_html: str = "") -> Path:
-    """The page; `words`: a verdict other than this run's (a repeated run's), `spread_html` shown after it."""
+               splits: dict[str, dict] | None = None, words: str | None = None, spread_html: str = "",
+               sections: str = "") -> Path:
+    """The page; `words`: a verdict other than this run's (a repeated run's), `spread_html` shown after it;
+    `sections`: more of the page (HTML), after the tables."""
     head = ["leg", "ok", "failed", "TTFT p50 ms", "TTFT p90 ms", "other p50 ms", "TPOT p50 ms", "session p50 s",
             "reuse / declines", "D->P MiB", "P->D MiB", "peak retained MiB"]
     rows = [[s["leg"], s["requests"] - s["failed"], s["failed"], f"{s['ttft_ms'].get('p50', 0):.0f}",
@@ -262,6 +264,6 @@ def write_html(path: Path, title: str, summaries: list[dict], plots: dict[str, P
                        + html_table(["leg"] + [name for name, _ in SPLIT_PARTS], split_rows))
     body = (f"<p class=verdict>{html.escape(words or verdict(summaries))}</p>{spread_html}"
             f"{html_table(head, rows)}{split_table}"
-            f"<h2>Details</h2>{_details(extra)}")
+            f"{sections}<h2>Details</h2>{_details(extra)}")
     path.write_text(html_page(title, body, plots))
     return path

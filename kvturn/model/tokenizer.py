@@ -2,8 +2,10 @@
 import json
 import re
 from collections import OrderedDict
+from datetime import datetime
 from pathlib import Path
 
+import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -18,9 +20,12 @@ class ChatTokenizer:
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template = config.get("chat_template")
-        self._template = ImmutableSandboxedEnvironment().from_string(template) if template else None
-        self.eos_token_id = self.tokenizer.token_to_id(config.get("eos_token") or "<|endoftext|>")
+        template = read_chat_template(model_dir, config)
+        self._template = template_environment().from_string(template) if template else None
+        # What transformers hands every template: its special tokens by name
+        self._special_names = {name: token_text(config.get(name))
+                               for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.eos_token_id = self.tokenizer.token_to_id(self._special_names["eos_token"] or "<|endoftext|>")
         specials = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special),
                           key=len, reverse=True)
         self._special_split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
@@ -66,11 +71,56 @@ class ChatTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt as transformers' apply_chat_template renders it (add_generation_prompt=True)."""
         if self._template is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        return self._template.render(messages=messages, add_generation_prompt=True)
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
+                                         **self._special_names)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused the messages (raise_exception)."""
+
+
+def read_chat_template(model_dir: Path, config: dict) -> str | None:
+    """`chat_template.jinja` (what transformers writes now), else tokenizer_config.json's `chat_template`: a string,
+    or a list of named templates of which the one named "default" is used."""
+    path = model_dir / "chat_template.jinja"
+    if path.exists():
+        return path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template else None
+
+
+def token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox set up as transformers sets up its own (block trimming, loop controls and the helpers templates
+    call), so a template renders the same text here and there."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env

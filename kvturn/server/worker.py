@@ -25,7 +25,7 @@ from kvturn.kv_transfer.nixl_agent import LayoutMismatch
 from kvturn.kv_transfer.params import HOST, POOL
 from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient, parse_lease, token_id
 from kvturn.model.loader import load_model
-from kvturn.model.tokenizer import ChatTokenizer
+from kvturn.model.tokenizer import ChatTemplateError, ChatTokenizer
 from kvturn.server.metrics import WorkerMetrics
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
 
@@ -72,7 +72,10 @@ class Worker:
         return self.connector.engine_id if self.connector else "colocated"
 
     def chat_prompt(self, messages) -> str:
-        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages])
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), param="messages") from None
 
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
