@@ -67,13 +67,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--out", default="results/turn_breakdown.json")
+    parser.add_argument("--pin-workers", action="store_true", help="prefill and decode on their own cores")
     args = parser.parse_args()
     model = str(default_model_dir("tiny"))
     source = TextSource(ChatTokenizer(model))
     rng = np.random.default_rng(0)
     rows = []
+    # A long prompt computed from scratch may take minutes on a busy machine: the router waits for it.
     with LocalStack(model, mode="pd", bidirectional=True, prefix_caching_on_prefill=False, kv_cache_mb=2048,
-                    log_dir=Path(args.out).with_suffix("") / "logs") as stack, httpx.Client(timeout=300) as http:
+                    router_args=["--upstream-timeout-s", "900"], pin_workers=args.pin_workers, log_dir=Path(args.out).with_suffix("") / "logs") as stack, httpx.Client(timeout=300) as http:
         for conversation, system_tokens, turns in (("first-pair", 600, 2), ("long", args.prompt_tokens, args.turns)):
             messages = [{"role": "system", "content": source.text(rng, system_tokens)}]
             for turn in range(turns):

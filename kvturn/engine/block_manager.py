@@ -90,9 +90,15 @@ class BlockManager:
             del self.free_block_ids[block_id]
         block.ref_count += 1
 
-    def allocate_new(self) -> int:
-        """Hand out the least recently freed block for new contents."""
-        block_id, _ = self.free_block_ids.popitem(last=False)
+    def allocate_new(self, after: int | None = None) -> int:
+        """Hand out a block for new contents: the one right after block `after` if it is free (a growing sequence's
+        blocks then stay one run, which attention reads in place and NIXL moves as one piece), else the least
+        recently freed."""
+        if after is not None and after + 1 in self.free_block_ids:
+            block_id = after + 1
+            del self.free_block_ids[block_id]
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]

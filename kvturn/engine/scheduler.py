@@ -144,7 +144,7 @@ class Scheduler:
             if victim is seq:
                 return False
         for _ in range(max(needed, 0)):
-            seq.block_table.append(bm.allocate_new())
+            seq.block_table.append(bm.allocate_new(after=seq.block_table[-1] if seq.block_table else None))
         return True
 
     def preempt(self, seq: Sequence) -> None:

@@ -2,7 +2,8 @@
 
 Each worker registers its KV pool and its block-epoch array once. A peer is added from the
 metadata its side channel returns; reads then go straight from the peer's memory into ours,
-one descriptor per run of consecutive blocks. Called from the engine thread only.
+one descriptor per run of blocks consecutive on both sides, per layer and key/value (the pool is
+layer-major, engine/kv_cache.py). Called from the engine thread only.
 """
 import base64
 import logging
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvturn.engine.kv_cache import KVCache, KVLayout
+
+BEFORE_LAYOUT_ORDER = "block-major"  # the pool of a peer whose layout does not name its order
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class KVTransferAgent:
         """Connect to a peer from its side-channel metadata; raises ValueError on anything malformed."""
         try:
             engine_id = info["engine_id"]
-            layout = KVLayout(**info["layout"])
+            layout = KVLayout(**{"order": BEFORE_LAYOUT_ORDER, **info["layout"]})
             pool_address, epochs_address = int(info["pool_address"]), int(info["epochs_address"])
             metadata = base64.b64decode(info["agent_metadata"], validate=True)
             if not isinstance(engine_id, str) or not isinstance(layout.num_blocks, int) or layout.num_blocks <= 0:
@@ -128,11 +131,11 @@ class KVTransferAgent:
 
     def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
         peer = self.peers[engine_id]
-        size = self.layout.block_bytes
+        ours, theirs = self.kv_cache.base_address, peer.pool_address
         local, remote = [], []
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
-            local.append((self.kv_cache.base_address + local_start * size, count * size, 0))
-            remote.append((peer.pool_address + remote_start * size, count * size, 0))
+            local += [(ours + offset, length, 0) for offset, length in self.layout.extents(local_start, count)]
+            remote += [(theirs + offset, length, 0) for offset, length in peer.layout.extents(remote_start, count)]
         return self._start(peer, local, remote)
 
     def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int]):
