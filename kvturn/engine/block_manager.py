@@ -17,13 +17,17 @@ NO_HASH = -1
 HASH_MASK = 0x7FFF_FFFF_FFFF_FFFF  # non-negative, fits a signed 64-bit JSON integer
 
 
-def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given)."""
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None,
+                 known: list[int] = ()) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given); `known` holds
+    those of its first blocks already, which are not hashed again."""
     full = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
-    data = np.asarray(token_ids[:full * block_size], dtype=np.int64).tobytes()  # one conversion, not one a block
+    hashes = list(known[:full])
+    first = len(hashes)
+    data = np.asarray(token_ids[first * block_size:full * block_size], dtype=np.int64).tobytes()  # one conversion
     step = block_size * 8
-    hashes, parent = [], 0
-    for start in range(0, full * step, step):
+    parent = hashes[-1] if hashes else 0
+    for start in range(0, (full - first) * step, step):
         parent = _chain(parent, data[start:start + step])
         hashes.append(parent)
     return hashes

@@ -11,7 +11,7 @@ what the router predicts."""
 from collections import deque
 from typing import Callable
 
-from kvturn.engine.block_manager import BlockManager, block_hashes
+from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.sequence import Sequence, Status
 
 
@@ -113,7 +113,7 @@ class Scheduler:
         """Take the cached prefix and allocate the rest of the prompt's blocks; returns the hashes of all its
         full blocks, or None if the blocks do not fit."""
         bm = self.block_manager
-        hashes = block_hashes(seq.token_ids, self.block_size)
+        hashes = seq.full_block_hashes(self.block_size)
         reusable = hashes[:reusable_blocks(len(seq), self.block_size)]
         total_blocks = seq.blocks_needed(self.block_size)
         while True:
