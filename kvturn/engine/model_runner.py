@@ -1,4 +1,5 @@
 """Turns a scheduled batch into model inputs over the paged KV pool, runs the model, samples."""
+import numpy as np
 import torch
 
 from kvturn.engine.kv_cache import KVCache
@@ -28,7 +29,7 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
         positions_t = torch.tensor(positions)
-        slots = torch.tensor([slot for seq, n in prefills + decodes for slot in self._write_slots(seq, n)])
+        slots = torch.from_numpy(np.concatenate([self._write_slots(seq, n) for seq, n in prefills + decodes]))
         contexts = [context_of(seq.block_table, seq.num_computed_tokens + 1, self.block_size) for seq, _ in decodes]
         meta = AttentionMetadata(slots, spans, decode_token_start=len(ids) - len(decodes), decode_contexts=contexts)
         hidden = self.model(torch.tensor(ids), positions_t, self.kv_cache.pool, meta)
@@ -48,7 +49,9 @@ class ModelRunner:
             sampled[seq] = (token_id, None if k is None else token_logprob(logits[i], token_id, k))
         return sampled
 
-    def _write_slots(self, seq: Sequence, num_new: int) -> list[int]:
+    def _write_slots(self, seq: Sequence, num_new: int) -> np.ndarray:
         """Each new token's slot in a layer's plane of the pool: its block's id * block size + its offset."""
-        size, table, start = self.block_size, seq.block_table, seq.num_computed_tokens
-        return [table[p // size] * size + p % size for p in range(start, start + num_new)]
+        size, start = self.block_size, seq.num_computed_tokens
+        positions = np.arange(start, start + num_new)
+        blocks = np.asarray(seq.block_table[start // size:(start + num_new - 1) // size + 1], dtype=np.int64)
+        return blocks[positions // size - start // size] * size + positions % size
