@@ -125,9 +125,11 @@ class Scheduler:
                 return None
         for block_id in hit:
             bm.take(block_id)
-        # In id order: blocks freed together come back together, and a NIXL read of consecutive blocks on both
-        # sides is one descriptor instead of one a block.
-        seq.block_table = hit + sorted(bm.allocate_new() for _ in range(total_blocks - len(hit)))
+        # In runs of consecutive ids where the pool has them free: attention reads a run in place, and a NIXL read of
+        # blocks consecutive on both sides is one descriptor per layer instead of that many per block.
+        seq.block_table = list(hit)
+        for _ in range(total_blocks - len(hit)):
+            seq.block_table.append(bm.allocate_new(after=seq.block_table[-1] if seq.block_table else None))
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
         seq.num_published_blocks = len(hit)
         return hashes
