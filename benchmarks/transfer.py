@@ -4,8 +4,8 @@
 
 A second process registers a KV pool (the tiny model's layout) and a raw buffer; this process
 reads from them over NIXL (UCX, loopback). Block reads are timed both for consecutive blocks
-(merged into few descriptors) and for scattered blocks (one descriptor each), as a long-lived
-decode worker's pool fragments.
+(one run: one descriptor per layer and key/value) and for scattered blocks (those descriptors for
+every block), as a long-lived decode worker's pool fragments.
 """
 import argparse
 

@@ -24,17 +24,18 @@ from kvturn.launch import LocalStack
 from kvturn.model.make_model import default_model_dir
 from kvturn.model.tokenizer import ChatTokenizer
 
-COLUMNS = {"conversation": "conversation", "turn": "turn", "ttft_ms": "TTFT", "p_tokenize_ms": "P tokenize",
+COLUMNS = {"conversation": "conversation", "turn": "turn", "prompt_tokens": "prompt", "ttft_ms": "TTFT", "p_tokenize_ms": "P tokenize",
            "p_side_channel_ms": "P side channel", "p_read_ms": "P read", "p_admission_ms": "P admission",
            "p_compute_ms": "P compute", "p_round_trip_ms": "P round trip", "d_ttft_ms": "D TTFT",
-           "other_ms": "other"}
+           "other_ms": "other", "tpot_ms": "TPOT"}
 
 
-def streamed_turn(http: httpx.Client, url: str, messages: list[dict], conversation_id: str) -> tuple[float, str, dict]:
-    """(client TTFT in ms, the answer, the final chunk's kvturn object)."""
+def streamed_turn(http: httpx.Client, url: str, messages: list[dict],
+                  conversation_id: str) -> tuple[float, float | None, str, dict]:
+    """(client TTFT in ms, TPOT in ms, the answer, the final chunk's kvturn object)."""
     body = {"messages": messages, "max_tokens": 32, "stream": True, "conversation_id": conversation_id,
             "ignore_eos": True, "temperature": 0}
-    started, first_at, answer, kvturn = time.perf_counter(), None, [], {}
+    started, first_at, last_at, answer, kvturn = time.perf_counter(), None, None, [], {}
     with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -43,12 +44,15 @@ def streamed_turn(http: httpx.Client, url: str, messages: list[dict], conversati
             for choice in chunk.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
                     answer.append(choice["delta"]["content"])
-                    first_at = first_at or time.perf_counter()
+                    last_at = time.perf_counter()
+                    first_at = first_at or last_at
             kvturn = chunk.get("kvturn") or kvturn
-    return (first_at - started) * 1e3, "".join(answer), kvturn
+    tokens = (kvturn.get("decode") or {}).get("completion_tokens") or len(answer)
+    tpot_ms = (last_at - first_at) * 1e3 / (tokens - 1) if tokens > 1 else None
+    return (first_at - started) * 1e3, tpot_ms, "".join(answer), kvturn
 
 
-def breakdown(conversation: str, turn: int, ttft_ms: float, kvturn: dict) -> dict:
+def breakdown(conversation: str, turn: int, ttft_ms: float, tpot_ms: float | None, kvturn: dict) -> dict:
     p, timing = kvturn.get("prefill_timing") or {}, kvturn.get("timing") or {}
     d = (kvturn.get("decode") or {}).get("timing") or {}
     in_ttft = [p.get("prefill_compute_ms") or 0.0, p.get("kv_read_ms") or 0.0]
@@ -59,7 +63,10 @@ def breakdown(conversation: str, turn: int, ttft_ms: float, kvturn: dict) -> dic
             "p_admission_ms": (p.get("engine_wait_ms") or 0.0) - (p.get("kv_read_ms") or 0.0),
             "p_compute_ms": p.get("prefill_compute_ms"), "p_round_trip_ms": timing.get("prefill_request_ms"),
             "d_ttft_ms": d.get("ttft_ms"), "first_token_from": kvturn.get("first_token_from"),
-            "reuse": kvturn.get("reuse"), "other_ms": ttft_ms - sum(in_ttft)}
+            "reuse": kvturn.get("reuse"), "other_ms": ttft_ms - sum(in_ttft), "tpot_ms": tpot_ms,
+            "prompt_tokens": (kvturn.get("decode") or {}).get("prompt_tokens_computed", 0)
+            + ((kvturn.get("decode") or {}).get("prompt_tokens_cached") or 0)
+            + ((kvturn.get("decode") or {}).get("prompt_tokens_remote") or 0)}
 
 
 def main() -> None:
@@ -67,25 +74,28 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--out", default="results/turn_breakdown.json")
+    parser.add_argument("--pin-workers", action="store_true", help="prefill and decode on their own cores")
     args = parser.parse_args()
     model = str(default_model_dir("tiny"))
     source = TextSource(ChatTokenizer(model))
     rng = np.random.default_rng(0)
     rows = []
+    # A long prompt computed from scratch may take minutes on a busy machine: the router waits for it.
     with LocalStack(model, mode="pd", bidirectional=True, prefix_caching_on_prefill=False, kv_cache_mb=2048,
-                    log_dir=Path(args.out).with_suffix("") / "logs") as stack, httpx.Client(timeout=300) as http:
+                    router_args=["--upstream-timeout-s", "900"], pin_workers=args.pin_workers, log_dir=Path(args.out).with_suffix("") / "logs") as stack, httpx.Client(timeout=300) as http:
         for conversation, system_tokens, turns in (("first-pair", 600, 2), ("long", args.prompt_tokens, args.turns)):
             messages = [{"role": "system", "content": source.text(rng, system_tokens)}]
             for turn in range(turns):
                 messages.append({"role": "user", "content": source.text(rng, 150)})
-                ttft_ms, answer, kvturn = streamed_turn(http, stack.url, messages, conversation)
+                ttft_ms, tpot_ms, answer, kvturn = streamed_turn(http, stack.url, messages, conversation)
                 messages.append({"role": "assistant", "content": answer})
-                rows.append(breakdown(conversation, turn, ttft_ms, kvturn))
+                rows.append(breakdown(conversation, turn, ttft_ms, tpot_ms, kvturn))
     table = Table(title=f"one pull turn, part by part ({machine()['cpu']}); ms")
     for title in COLUMNS.values():
         table.add_column(title, justify="right")
     for row in rows:
-        table.add_row(*(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS))
+        table.add_row(*(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c] if row[c] is not None else "-")
+                        for c in COLUMNS))
     Console(width=160).print(table)
     print(f"JSON: {write_json(args.out, {'machine': machine(), 'args': vars(args), 'turns': rows})}")
 

@@ -349,6 +349,7 @@ def bench(
     else:
         report.print_table(summaries, title, console)
     if ideal and "ideal_speedup" in ideal:
+        report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
                       f"{ideal['ttft_on_ms']:.0f} ms (ON) = {ideal['measured_speedup']:.2f}x; ideal "
                       f"{ideal['ideal_speedup']:.2f}x (full prefill {ideal['full_prefill_ms']:.0f} ms / (suffix "

@@ -136,6 +136,26 @@ def test_the_split_of_ttft_adds_up_to_the_ttft_when_ps_first_token_went_ahead():
     assert sum(split.values()) == 100.0 and split["other_ms"] == 40.0
 
 
+def test_the_ideal_speedup_is_taken_at_each_conversations_longest_prompt():
+    """One row per prompt length of a sweep: the OFF leg's longest turn of each conversation beside the same turn of
+    the ON leg, shortest first, and the ratio of measured to ideal speedup from their parts."""
+    from kvturn.bench.compare import ideal_row, longest_turns
+    off, on = RunResult(runtime_s=1.0), RunResult(runtime_s=1.0)
+    for conv, tokens in (("long", 8000), ("short", 1000)):
+        for turn in range(2):
+            off.requests.append(RequestRecord(conv, 0, turn, 1, 0.0, warmup=False, ttft_ms=tokens / 10 + turn,
+                                              input_num_tokens=tokens + 200 * turn, prefill_compute_ms=tokens / 10))
+            on.requests.append(RequestRecord(conv, 0, turn, 1, 0.0, warmup=False, ttft_ms=50.0, tpot_ms=9.0,
+                                             input_num_tokens=tokens + 200 * turn, prefill_compute_ms=30.0,
+                                             d_to_p_read_ms=12.0, bytes_d_to_p=tokens * 4096))
+    pairs = longest_turns(off, on)
+    assert [(r.conversation_id, r.turn, row["bytes_d_to_p"]) for r, row in pairs] == [
+        ("short", 1, 1000 * 4096), ("long", 1, 8000 * 4096)]
+    row = ideal_row(*pairs[1], raw_read_ms=10.0)
+    assert row["ideal_speedup"] == 800 / 40 and row["measured_speedup"] == 801 / 50
+    assert row["fraction_of_ideal"] == (801 / 50) / 20 and row["other_ms"] == 8.0 and row["tpot_on_ms"] == 9.0
+
+
 def test_sse_chunk_reads_data_lines_and_raises_error_chunks():
     assert sse_chunk('data: {"choices": [{"delta": {"content": "hi"}}]}') == {"choices": [{"delta": {"content": "hi"}}]}
     for other in ("", ": keep-alive", "data: [DONE]", "event: ping"):

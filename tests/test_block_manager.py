@@ -60,3 +60,13 @@ def test_prefix_caching_off_forgets_freed_blocks():
     bm.publish(block, h[0], tuple(tokens))
     bm.release(block)
     assert bm.cached_prefix(tokens, h) == []
+
+
+def test_a_growing_sequence_gets_the_block_after_its_last_when_that_one_is_free():
+    bm = BlockManager(8, 16)
+    run = [bm.allocate_new() for _ in range(3)]  # 0, 1, 2
+    other = bm.allocate_new()  # 3
+    bm.release(bm.allocate_new())  # 4 freed last: least recently freed order is 5, 6, 7, 4
+    assert bm.allocate_new(after=other) == 4  # the block after the sequence's last, out of LRU order
+    assert bm.allocate_new(after=run[-1]) == 5  # block 3 is taken: the least recently freed instead
+    assert bm.allocate_new(after=7) == 6  # past the pool's end: the least recently freed

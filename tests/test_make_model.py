@@ -46,3 +46,22 @@ def test_segment_cached_encoding_equals_whole_text_encoding(tiny_model_dir):
         rendered = tok.apply_chat_template(history)
         assert tok.encode(rendered) == tok.tokenizer.encode(rendered, add_special_tokens=False).ids
         history.append({"role": "assistant", "content": "ok<|im_end|>and then " * 15})
+
+
+def test_a_cached_model_written_with_a_shorter_context_gets_this_presets_config(tmp_path, monkeypatch, tiny_model_dir):
+    """A cache directory an older kvturn wrote (16,384 positions) is brought up to the preset without rewriting its
+    weights, so a user's and CI's caches serve 131,072 positions too."""
+    import shutil
+    from kvturn.model.make_model import PRESETS, default_model_dir
+    old = tmp_path / "embedded-tiny-seed0"
+    shutil.copytree(tiny_model_dir, old)
+    for name, field in (("config.json", "max_position_embeddings"), ("tokenizer_config.json", "model_max_length")):
+        config = json.loads((old / name).read_text())
+        (old / name).write_text(json.dumps({**config, field: 16384}))
+    weights = (old / "model.safetensors").stat()
+    monkeypatch.setenv("KVTURN_CACHE_DIR", str(tmp_path))
+    assert default_model_dir("tiny") == old
+    assert ModelConfig.from_dir(old).max_position_embeddings == PRESETS["tiny"].max_position_embeddings == 131072
+    assert json.loads((old / "tokenizer_config.json").read_text())["model_max_length"] == 131072
+    assert digest(old / "config.json") == digest(tiny_model_dir / "config.json")
+    assert (old / "model.safetensors").stat().st_mtime_ns == weights.st_mtime_ns

@@ -3,17 +3,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvturn.model.attention import AttentionMetadata, PrefillSpan
+from kvturn.model.attention import AttentionMetadata, Context, PrefillSpan
 from kvturn.model.loader import load_model
 
 
 def our_logits(model, token_ids: torch.Tensor, block_size: int = 16) -> torch.Tensor:
     cfg = model.config
     num_blocks = -(-len(token_ids) // block_size)
-    pool = torch.zeros(num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    pool = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     positions = torch.arange(len(token_ids))
-    meta = AttentionMetadata(positions // block_size, positions % block_size,
-                             [PrefillSpan(0, len(token_ids), 0, torch.arange(num_blocks))], len(token_ids), None, None)
+    meta = AttentionMetadata(positions, [PrefillSpan(0, len(token_ids), Context([]))], len(token_ids), [])
     with torch.no_grad():
         return model.logits(model(token_ids, positions, pool, meta))
 

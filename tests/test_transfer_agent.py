@@ -42,8 +42,8 @@ def test_scattered_block_reads_copy_exactly_the_named_blocks(tiny_model_dir):
         ours.release(handle)
         assert state == DONE
     for local, remote in ((0, 5), (6, 2), (7, 3)):
-        assert torch.equal(our_kv.pool[local], their_kv.pool[remote])
-    assert not our_kv.pool[1].any()
+        assert torch.equal(our_kv.block(local), their_kv.block(remote))
+    assert not our_kv.block(1).any()
     assert ours.scratch_epochs([0, 6, 7]) == [105, 102, 103]
 
 
@@ -67,3 +67,14 @@ def test_running_requests_reclaim_retained_blocks_before_anyone_is_preempted(tin
     assert leases.counts["reclaimed"] == 2 and engine.scheduler.num_preemptions == 0
     alive = [leases.lookup(t.retained["handle"], f"conv{i}") is not None for i, t in enumerate(turns)]
     assert alive == [False, False, True]
+
+
+def test_a_peer_whose_pool_is_block_major_is_refused(tiny_model_dir):
+    """A peer from before the pool was layer-major names no order in its layout: its blocks are laid out otherwise,
+    and reading them as ours would be garbage."""
+    ours, _ = agent(tiny_model_dir)
+    theirs, _ = agent(tiny_model_dir)
+    info = theirs.local_info()
+    del info["layout"]["order"]
+    with pytest.raises(LayoutMismatch, match="order"):
+        ours.add_peer(info)

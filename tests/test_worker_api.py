@@ -9,16 +9,22 @@ from kvturn import launch
 
 
 @pytest.fixture(scope="module")
-def worker_url(tiny_model_dir, tmp_path_factory):
+def worker(tiny_model_dir, tmp_path_factory):
+    """(URL, log file) of a worker process."""
     port = launch.free_port()
     log = tmp_path_factory.mktemp("logs") / "worker.log"
     process = launch.start(["worker", "--port", str(port), "--model", str(tiny_model_dir), "--kv-cache-mb", "64",
                             "--max-model-len", "4096", "--served-model-name", "tiny"], log)
     url = f"http://127.0.0.1:{port}"
     launch.wait_healthy(url, process)
-    yield url
+    yield url, log
     launch.stop(process)
     assert process.returncode in (0, -15), log.read_text()[-3000:]  # uvicorn re-raises SIGTERM after a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def worker_url(worker):
+    return worker[0]
 
 
 @pytest.fixture
@@ -114,6 +120,20 @@ def test_client_disconnect_mid_stream_frees_its_blocks(worker_url):
         time.sleep(0.1)
     assert metric(worker_url, "kvturn_requests_running") == 0
     assert metric(worker_url, "kvturn_kv_blocks_used") == 0
+
+
+def test_a_client_that_leaves_a_whole_answer_early_frees_its_blocks_without_an_error(worker):
+    """The worker notices the client left (it checks every 0.5 s while it waits for tokens) and aborts the request;
+    closing the request's outputs must wait for that cancellation, or it fails and logs an unhandled error."""
+    url, log = worker
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "long story " * 50, "max_tokens": 3000,
+                                                  "ignore_eos": True}, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(url, "kvturn_requests_running") > 0:
+        time.sleep(0.1)
+    assert metric(url, "kvturn_requests_running") == 0 and metric(url, "kvturn_kv_blocks_used") == 0
+    assert "unhandled error" not in log.read_text()
 
 
 def test_metrics_count_tokens_and_ttft(worker_url):

@@ -14,6 +14,11 @@ from kvturn.kv_transfer import side_channel
 from kvturn.launch import LocalStack
 
 
+# How long the legs' routers wait for a worker's answer: a 25k-token prompt computed from scratch takes ~20 s on a
+# quiet CPU core and minutes on a busy one, past the router's default, which would fail the turn.
+PREFILL_WAIT_S = 900
+
+
 def warm_up(url: str, source: workload.TextSource) -> None:
     """First requests pay one-time costs (NIXL handshake, allocator growth); keep them out of the numbers."""
     spec = workload.SyntheticSpec(num_sessions=1, system_tokens=600, num_turns=2, new_tokens=64, answer_tokens=8)
@@ -65,7 +70,8 @@ def leg_stack(model_dir: str, name: str, log_dir: Path, kv_cache_mb: int, scenar
     return LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
                       prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                       worker_args=worker_args, decode_args=[*decode_args, *leg.decode_args],
-                      router_args=["--path-policy", leg.path_policy], log_dir=log_dir, pin_workers=pin_workers)
+                      router_args=["--path-policy", leg.path_policy, "--upstream-timeout-s", str(PREFILL_WAIT_S)],
+                      log_dir=log_dir, pin_workers=pin_workers)
 
 
 def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: int, kv_cache_mb: int,
@@ -120,30 +126,45 @@ def run_repeats(repeats: int, model_dir: str, legs: list[str], scenario: Scenari
 
 
 def ideal_speedup(results: dict, model_dir: str) -> dict | None:
-    """Full prefill of the longest prompt / (suffix-only prefill + raw NIXL read of its KV), measured in this run,
-    and how close the measured TTFT(OFF) / TTFT(ON) came to it (prefix caching off on P in both)."""
+    """Full prefill / (suffix-only prefill + raw NIXL read of its KV), measured in this run, and how close the
+    measured TTFT(OFF) / TTFT(ON) came to it (prefix caching off on P in both), at each conversation's longest prompt
+    (`by_length`, shortest first); the headline fields are the longest prompt's."""
     off, on = results.get("pd/P-cache-off"), results.get("bidir/P-cache-off")
     if off is None or on is None:
         return None
-    longest = longest_request(off)
-    if longest is None:
+    pairs = longest_turns(off, on)
+    if not pairs:
         return None
-    on_row = ttft_at(on, longest.conversation_id, longest.turn)
-    if on_row is None or not on_row["bytes_d_to_p"]:
-        return {"note": "the ON leg did not reuse KV at the longest prompt", "on": on_row}
+    reused = [(off_row, on_row) for off_row, on_row in pairs if on_row is not None and on_row["bytes_d_to_p"]]
+    if not reused or reused[-1][0] is not pairs[-1][0]:
+        return {"note": "the ON leg did not reuse KV at the longest prompt", "on": pairs[-1][1]}
     from kvturn.bench.nixl_read import ReadBench
-    nbytes = on_row["bytes_d_to_p"]
-    with ReadBench(model_dir, nbytes // 2**20 + 2) as bench:
-        raw_read_ms = bench.raw_read_s(nbytes, repeats=7) * 1e3
-    full_ms, suffix_ms = longest.prefill_compute_ms, on_row["prefill_compute_ms"]
+    with ReadBench(model_dir, max(on_row["bytes_d_to_p"] for _, on_row in reused) // 2**20 + 2) as bench:
+        rows = [ideal_row(off_row, on_row, bench.raw_read_s(on_row["bytes_d_to_p"], repeats=7) * 1e3)
+                for off_row, on_row in reused]
+    return {**rows[-1], "by_length": rows}
+
+
+def longest_turns(off, on) -> list[tuple]:
+    """(OFF leg's request, ON leg's ttft_at row or None) at each conversation's longest prompt, shortest first."""
+    pairs = []
+    for conversation_id in dict.fromkeys(r.conversation_id for r in off.requests):
+        longest = longest_request(off, conversation_id)
+        if longest is not None:
+            pairs.append((longest, ttft_at(on, longest.conversation_id, longest.turn)))
+    return sorted(pairs, key=lambda pair: pair[0].input_num_tokens)
+
+
+def ideal_row(off_row, on_row: dict, raw_read_ms: float) -> dict:
+    full_ms, suffix_ms = off_row.prefill_compute_ms, on_row["prefill_compute_ms"]
     ideal = full_ms / (suffix_ms + raw_read_ms)
-    measured = longest.ttft_ms / on_row["ttft_ms"]
-    return {"prompt_tokens": longest.input_num_tokens, "conversation_id": longest.conversation_id,
-            "turn": longest.turn, "full_prefill_ms": full_ms, "suffix_prefill_ms": suffix_ms,
-            "kv_bytes": nbytes, "raw_nixl_read_ms": raw_read_ms, "ideal_speedup": ideal,
-            "ttft_off_ms": longest.ttft_ms, "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured,
-            "other_ms": on_row["other_ms"],
-            "fraction_of_ideal": measured / ideal}
+    measured = off_row.ttft_ms / on_row["ttft_ms"]
+    return {"prompt_tokens": off_row.input_num_tokens, "conversation_id": off_row.conversation_id,
+            "turn": off_row.turn, "full_prefill_ms": full_ms, "suffix_prefill_ms": suffix_ms,
+            "kv_bytes": on_row["bytes_d_to_p"], "raw_nixl_read_ms": raw_read_ms, "d_to_p_read_ms":
+            on_row["d_to_p_read_ms"], "ideal_speedup": ideal, "ttft_off_ms": off_row.ttft_ms,
+            "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured, "other_ms": on_row["other_ms"],
+            "fraction_of_ideal": measured / ideal, "tpot_off_ms": off_row.tpot_ms, "tpot_on_ms": on_row["tpot_ms"]}
 
 
 def path_verdict(summaries: list[dict]) -> dict | None:

@@ -64,12 +64,15 @@ def ttft_at(result: RunResult, conversation_id: str, turn: int) -> dict | None:
         if r.conversation_id == conversation_id and r.turn == turn and r.error is None:
             return {"ttft_ms": r.ttft_ms, "input_num_tokens": r.input_num_tokens, "reuse": r.reuse,
                     "prefill_compute_ms": r.prefill_compute_ms, "d_to_p_read_ms": r.d_to_p_read_ms,
-                    "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p, "other_ms": r.other_ms}
+                    "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p, "other_ms": r.other_ms,
+                    "tpot_ms": r.tpot_ms}
     return None
 
 
-def longest_request(result: RunResult):
-    ok = [r for r in result.requests if r.error is None and r.input_num_tokens]
+def longest_request(result: RunResult, conversation_id: str | None = None):
+    """The run's request with the longest prompt (of one conversation, if given)."""
+    ok = [r for r in result.requests if r.error is None and r.input_num_tokens
+          and conversation_id in (None, r.conversation_id)]
     return max(ok, key=lambda r: r.input_num_tokens, default=None)
 
 
@@ -90,6 +93,22 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
                       f"{s['bytes_d_to_p'] / 2**20:.1f}", f"{s['bytes_p_to_d'] / 2**20:.1f}",
                       f"{s['peak_retained_kv_bytes'] / 2**20:.1f}")
     console.print(table)
+
+
+def print_ideal_table(rows: list[dict], console: Console | None = None) -> None:
+    """Each conversation's longest prompt: TTFT with and without reading the history back against the ideal speedup
+    (full prefill / (suffix prefill + raw NIXL read)), the ON turn's time outside compute and transfer, and TPOT."""
+    table = Table(title="P-cache-off, each conversation's longest prompt: pd (OFF) against bidir (ON)")
+    for col in ("prompt tokens", "TTFT OFF", "TTFT ON", "speedup", "ideal", "measured/ideal", "suffix prefill",
+                "D->P read", "raw read", "other (ON)", "TPOT OFF", "TPOT ON"):
+        table.add_column(col, justify="right")
+    ms = lambda value, digits=0: "-" if value is None else f"{value:.{digits}f} ms"  # noqa: E731
+    for r in rows:
+        table.add_row(str(r["prompt_tokens"]), ms(r["ttft_off_ms"]), ms(r["ttft_on_ms"]), f"{r['measured_speedup']:.1f}x",
+                      f"{r['ideal_speedup']:.1f}x", f"{r['fraction_of_ideal']:.0%}", ms(r["suffix_prefill_ms"]),
+                      ms(r["d_to_p_read_ms"], 1), ms(r["raw_nixl_read_ms"], 1), ms(r["other_ms"], 1),
+                      ms(r["tpot_off_ms"], 1), ms(r["tpot_on_ms"], 1))
+    (console or Console()).print(table)
 
 
 def _buckets(result: RunResult, later_turns: bool | None = None):

@@ -17,13 +17,17 @@ NO_HASH = -1
 HASH_MASK = 0x7FFF_FFFF_FFFF_FFFF  # non-negative, fits a signed 64-bit JSON integer
 
 
-def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given)."""
+def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None,
+                 known: list[int] = ()) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given); `known` holds
+    those of its first blocks already, which are not hashed again."""
     full = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
-    data = np.asarray(token_ids[:full * block_size], dtype=np.int64).tobytes()  # one conversion, not one a block
+    hashes = list(known[:full])
+    first = len(hashes)
+    data = np.asarray(token_ids[first * block_size:full * block_size], dtype=np.int64).tobytes()  # one conversion
     step = block_size * 8
-    hashes, parent = [], 0
-    for start in range(0, full * step, step):
+    parent = hashes[-1] if hashes else 0
+    for start in range(0, (full - first) * step, step):
         parent = _chain(parent, data[start:start + step])
         hashes.append(parent)
     return hashes
@@ -90,9 +94,15 @@ class BlockManager:
             del self.free_block_ids[block_id]
         block.ref_count += 1
 
-    def allocate_new(self) -> int:
-        """Hand out the least recently freed block for new contents."""
-        block_id, _ = self.free_block_ids.popitem(last=False)
+    def allocate_new(self, after: int | None = None) -> int:
+        """Hand out a block for new contents: the one right after block `after` if it is free (a growing sequence's
+        blocks then stay one run, which attention reads in place and NIXL moves as one piece), else the least
+        recently freed."""
+        if after is not None and after + 1 in self.free_block_ids:
+            block_id = after + 1
+            del self.free_block_ids[block_id]
+        else:
+            block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from kvturn.config import EngineConfig
-from kvturn.engine.block_manager import BlockManager, chain_hash
+from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.engine.model_runner import ModelRunner
 from kvturn.engine.sampling import TokenLogprob
@@ -205,16 +205,14 @@ class LLMEngine:
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Give each newly completed block its chained hash so the prefix cache and leases can name it."""
         full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[i - 1] if i else 0
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            seq.block_hashes.append(chain_hash(parent, tokens))
+        if seq.num_published_blocks >= full:
+            return
+        hashes = seq.full_block_hashes(self.block_size)
         for i in range(seq.num_published_blocks, full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            self.block_manager.publish(seq.block_table[i], seq.block_hashes[i], tokens)
+            self.block_manager.publish(seq.block_table[i], hashes[i], tokens)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
 
     def _on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
-        seq.block_hashes = list(full_hashes[:seq.num_published_blocks])
         if self.connector:
             self.connector.on_admit(seq, full_hashes)

@@ -1,10 +1,11 @@
 """Turns a scheduled batch into model inputs over the paged KV pool, runs the model, samples."""
+import numpy as np
 import torch
 
 from kvturn.engine.kv_cache import KVCache
 from kvturn.engine.sampling import TokenLogprob, sample_row, token_logprob
 from kvturn.engine.sequence import Sequence
-from kvturn.model.attention import AttentionMetadata, PrefillSpan
+from kvturn.model.attention import AttentionMetadata, PrefillSpan, context_of
 from kvturn.model.transformer import CausalLM
 
 
@@ -24,17 +25,13 @@ class ModelRunner:
         for seq, num_new in prefills + decodes:
             start = seq.num_computed_tokens
             if num_new > 1:
-                spans.append(PrefillSpan(len(ids), num_new, start, torch.tensor(seq.block_table)))
+                spans.append(PrefillSpan(len(ids), num_new, context_of(seq.block_table, start, self.block_size)))
             ids.extend(seq.token_ids[start:start + num_new])
             positions.extend(range(start, start + num_new))
         positions_t = torch.tensor(positions)
-        tables = [self._write_blocks(seq, n) for seq, n in prefills + decodes]
-        write_blocks = torch.tensor([b for t in tables for b in t])
-        meta = AttentionMetadata(write_blocks, positions_t % self.block_size, spans,
-                                 decode_token_start=len(ids) - len(decodes), decode_block_tables=None,
-                                 decode_key_mask=None)
-        if decodes:
-            meta.decode_block_tables, meta.decode_key_mask = self._decode_tables([s for s, _ in decodes])
+        slots = torch.from_numpy(np.concatenate([self._write_slots(seq, n) for seq, n in prefills + decodes]))
+        contexts = [context_of(seq.block_table, seq.num_computed_tokens + 1, self.block_size) for seq, _ in decodes]
+        meta = AttentionMetadata(slots, spans, decode_token_start=len(ids) - len(decodes), decode_contexts=contexts)
         hidden = self.model(torch.tensor(ids), positions_t, self.kv_cache.pool, meta)
         rows, sampled_seqs, end = [], [], 0
         for seq, num_new in prefills + decodes:
@@ -52,17 +49,9 @@ class ModelRunner:
             sampled[seq] = (token_id, None if k is None else token_logprob(logits[i], token_id, k))
         return sampled
 
-    def _write_blocks(self, seq: Sequence, num_new: int) -> list[int]:
-        start = seq.num_computed_tokens
-        return [seq.block_table[p // self.block_size] for p in range(start, start + num_new)]
-
-    def _decode_tables(self, seqs: list[Sequence]):
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
-        context = torch.empty(len(seqs), dtype=torch.int64)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
-            context[i] = seq.num_computed_tokens + 1
-        key_positions = torch.arange(max_blocks * self.block_size)
-        mask = (key_positions.unsqueeze(0) < context.unsqueeze(1)).view(len(seqs), 1, 1, -1)
-        return tables, mask
+    def _write_slots(self, seq: Sequence, num_new: int) -> np.ndarray:
+        """Each new token's slot in a layer's plane of the pool: its block's id * block size + its offset."""
+        size, start = self.block_size, seq.num_computed_tokens
+        positions = np.arange(start, start + num_new)
+        blocks = np.asarray(seq.block_table[start // size:(start + num_new - 1) // size + 1], dtype=np.int64)
+        return blocks[positions // size - start // size] * size + positions % size

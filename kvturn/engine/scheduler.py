@@ -11,7 +11,7 @@ what the router predicts."""
 from collections import deque
 from typing import Callable
 
-from kvturn.engine.block_manager import BlockManager, block_hashes
+from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.sequence import Sequence, Status
 
 
@@ -113,7 +113,7 @@ class Scheduler:
         """Take the cached prefix and allocate the rest of the prompt's blocks; returns the hashes of all its
         full blocks, or None if the blocks do not fit."""
         bm = self.block_manager
-        hashes = block_hashes(seq.token_ids, self.block_size)
+        hashes = seq.full_block_hashes(self.block_size)
         reusable = hashes[:reusable_blocks(len(seq), self.block_size)]
         total_blocks = seq.blocks_needed(self.block_size)
         while True:
@@ -125,9 +125,11 @@ class Scheduler:
                 return None
         for block_id in hit:
             bm.take(block_id)
-        # In id order: blocks freed together come back together, and a NIXL read of consecutive blocks on both
-        # sides is one descriptor instead of one a block.
-        seq.block_table = hit + sorted(bm.allocate_new() for _ in range(total_blocks - len(hit)))
+        # In runs of consecutive ids where the pool has them free: attention reads a run in place, and a NIXL read of
+        # blocks consecutive on both sides is one descriptor per layer instead of that many per block.
+        seq.block_table = list(hit)
+        for _ in range(total_blocks - len(hit)):
+            seq.block_table.append(bm.allocate_new(after=seq.block_table[-1] if seq.block_table else None))
         seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
         seq.num_published_blocks = len(hit)
         return hashes
@@ -144,7 +146,7 @@ class Scheduler:
             if victim is seq:
                 return False
         for _ in range(max(needed, 0)):
-            seq.block_table.append(bm.allocate_new())
+            seq.block_table.append(bm.allocate_new(after=seq.block_table[-1] if seq.block_table else None))
         return True
 
     def preempt(self, seq: Sequence) -> None:

@@ -5,6 +5,7 @@ from enum import Enum, auto
 
 import torch
 
+from kvturn.engine.block_manager import block_hashes
 from kvturn.engine.sampling import SamplingParams
 
 
@@ -44,7 +45,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_published_blocks = 0
-        self.block_hashes: list[int] = []  # chained hashes of the computed full blocks
+        self.block_hashes: list[int] = []  # chained hashes of its full blocks of tokens so far (full_block_hashes)
         self.num_cached_tokens = 0  # served from the local prefix cache
         self.num_remote_tokens = 0  # read from a peer
         self.remote = remote  # the KV connector's record of blocks to read from a peer
@@ -73,6 +74,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of its full blocks of tokens: each block is hashed once in the sequence's life (admitted
+        again after a preemption, or grown by its answer, it hashes only its new blocks)."""
+        if len(self.block_hashes) < len(self.token_ids) // block_size:
+            self.block_hashes = block_hashes(self.token_ids, block_size, known=self.block_hashes)
+        return self.block_hashes
 
     def blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         tokens = len(self.token_ids) if num_tokens is None else num_tokens

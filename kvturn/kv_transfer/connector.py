@@ -248,8 +248,6 @@ class KVConnector:
         first, last = decision.load_from_block, decision.load_to_block
         elapsed = time.perf_counter() - load.started
         nbytes = len(load.local_ids) * self.engine.kv_cache.layout.block_bytes
-        full = min(last, len(seq) // self.block_size)
-        seq.block_hashes = seq.block_hashes[:first] + seq.remote.block_hashes[first:full]
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
         steps = min(self.engine.step_seconds - load.steps_before, elapsed)
@@ -313,7 +311,8 @@ class KVConnector:
         if spec is None:
             return
         full = seq.num_computed_tokens // self.block_size
-        blocks, hashes, tokens = seq.block_table[:full], seq.block_hashes[:full], full * self.block_size
+        blocks, hashes = seq.block_table[:full], seq.full_block_hashes(self.block_size)[:full]
+        tokens = full * self.block_size
         first_token = None
         if spec.release_after_read:
             first_token = seq.output_token_ids[0] if seq.num_output_tokens else None

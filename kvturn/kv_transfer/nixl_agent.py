@@ -3,17 +3,20 @@
 Each worker registers its KV pool and its block-epoch array once, and a decode worker with a host
 tier its host blocks and their epochs too: every registration is here. A peer is added from the
 metadata its side channel returns; reads then go straight from the peer's memory (pool or host
-tier) into our pool, one descriptor per run of consecutive blocks. Called from the engine thread only.
+tier) into our pool, one descriptor per run of blocks consecutive on both sides, per layer and key/value
+(the pool is layer-major, engine/kv_cache.py). Called from the engine thread only.
 """
 import base64
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.kv_transfer.host_tier import HOST, HostTier
+
+BEFORE_LAYOUT_ORDER = "block-major"  # the pool of a peer whose layout does not name its order
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,10 @@ class Peer:
 
     def blocks_in(self, tier: str) -> int:
         return self.host_blocks if tier == HOST else self.layout.num_blocks
+
+    def layout_of(self, tier: str) -> KVLayout:
+        """The layout of a tier of the peer: the pool's, with the tier's own number of blocks."""
+        return replace(self.layout, num_blocks=self.blocks_in(tier))
 
     def addresses(self, tier: str) -> tuple[int, int]:
         """(blocks, epochs) base addresses of a tier of the peer."""
@@ -122,7 +129,7 @@ class KVTransferAgent:
         """Connect to a peer from its side-channel metadata; raises ValueError on anything malformed."""
         try:
             engine_id = info["engine_id"]
-            layout = KVLayout(**info["layout"])
+            layout = KVLayout(**{"order": BEFORE_LAYOUT_ORDER, **info["layout"]})
             pool_address, epochs_address = int(info["pool_address"]), int(info["epochs_address"])
             metadata = base64.b64decode(info["agent_metadata"], validate=True)
             if not isinstance(engine_id, str) or not isinstance(layout.num_blocks, int) or layout.num_blocks <= 0:
@@ -162,7 +169,7 @@ class KVTransferAgent:
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
             local += [(address, nbytes, 0) for address, nbytes in self.kv_cache.run_regions(local_start, count)]
             remote += [(address, nbytes, 0) for address, nbytes in
-                       peer.layout.run_regions(blocks_address, remote_start, count)]
+                       peer.layout_of(tier).run_regions(blocks_address, remote_start, count)]
         return self._start(peer, local, remote)
 
     def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):

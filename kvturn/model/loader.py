@@ -14,7 +14,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device="cpu")
-    model.rotary.__init__(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    model.rotary.__init__(cfg.head_dim, cfg.rope_theta)
     weights = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

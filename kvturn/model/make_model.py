@@ -40,10 +40,15 @@ class Preset:
     max_position_embeddings: int
 
 
+# 131,072 positions: what Qwen3's RoPE base (1e6) serves; rotary angles are computed per step, not tabled.
 PRESETS = {
-    "tiny": Preset(4096, 256, 768, 4, 4, 2, 64, 16384),
-    "small": Preset(8192, 768, 2048, 8, 12, 4, 64, 16384),
+    "tiny": Preset(4096, 256, 768, 4, 4, 2, 64, 131072),
+    "small": Preset(8192, 768, 2048, 8, 12, 4, 64, 131072),
 }
+# What the weights' shapes depend on: a cached directory that differs here is written anew, one that differs
+# elsewhere in config.json (the context length of an older kvturn) only gets its config files rewritten.
+WEIGHT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
 def training_text() -> list[str]:
@@ -86,6 +91,27 @@ def config_json(preset: Preset, eos_id: int, pad_id: int) -> dict:
     }
 
 
+def tokenizer_config_json(preset: Preset) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": preset.max_position_embeddings,
+        "add_bos_token": False,
+    }
+
+
+def write_configs(model_dir: Path, preset: Preset, eos_id: int, pad_id: int) -> None:
+    """config.json and tokenizer_config.json, each replaced atomically (a reader sees the old or the new file)."""
+    for name, content in (("tokenizer_config.json", tokenizer_config_json(preset)),
+                          ("config.json", config_json(preset, eos_id, pad_id))):
+        staging = model_dir / f".{name}.tmp-{os.getpid()}"
+        staging.write_text(json.dumps(content, indent=2))
+        os.replace(staging, model_dir / name)
+
+
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
@@ -110,17 +136,7 @@ def make_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     tokenizer = build_tokenizer(spec.vocab_size)
     eos_id, pad_id = tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")
     tokenizer.save(str(staging / "tokenizer.json"))
-    (staging / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": spec.max_position_embeddings,
-        "add_bos_token": False,
-    }, indent=2))
-    config = config_json(spec, eos_id, pad_id)
-    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    write_configs(staging, spec, eos_id, pad_id)
     (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}))
     save_file(random_weights(ModelConfig.from_dir(staging), seed), str(staging / "model.safetensors"),
               metadata={"format": "pt"})
@@ -137,8 +153,18 @@ def cache_dir() -> Path:
 
 
 def default_model_dir(preset: str = "tiny") -> Path:
-    """The embedded model, written on first use under the cache dir."""
+    """The embedded model, written on first use under the cache dir, and brought up to this kvturn's preset when
+    an older kvturn wrote it."""
     model_dir = cache_dir() / f"embedded-{preset}-seed0"
-    if not (model_dir / "model.safetensors").exists():
+    spec = PRESETS[preset]
+    try:
+        written = json.loads((model_dir / "config.json").read_text())
+        present = (model_dir / "model.safetensors").exists()
+    except (OSError, ValueError):
+        written, present = {}, False
+    if not present or any(written.get(name) != value for name, value in config_json(spec, 0, 0).items()
+                          if name in WEIGHT_FIELDS):
         make_model(model_dir, preset=preset, seed=0)
+    elif written != config_json(spec, written.get("eos_token_id"), written.get("pad_token_id")):
+        write_configs(model_dir, spec, written.get("eos_token_id"), written.get("pad_token_id"))
     return model_dir

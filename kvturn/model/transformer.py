@@ -22,17 +22,18 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    """Angles are computed for each step's positions: a table for 131,072 positions would take 64 MiB a worker."""
+
+    def __init__(self, head_dim: int, theta: float):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.inv_freq = inv_freq  # not a buffer: it stays float32 when the model is cast to bfloat16
 
     def angles(self, positions, dtype):
         """cos and sin for `positions`, shaped to broadcast over heads; computed once per forward."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().unsqueeze(1).to(dtype), angles.sin().unsqueeze(1).to(dtype)
 
     @staticmethod
     def apply(angles, q, k):
@@ -141,7 +142,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, input_ids, positions, kv_pool, meta: AttentionMetadata):
         x = self.model.embed_tokens(input_ids)

@@ -29,6 +29,7 @@ from kvturn.server.worker import Worker
 
 log = logging.getLogger("kvturn.worker")
 CONVERSATION_HEADER = "X-Conversation-Id"
+DISCONNECT_CHECK_S = 0.5  # how often a whole answer being generated checks that its client is still there
 MAX_KEY_CHARS = 256
 
 
@@ -263,15 +264,22 @@ def finite_number(text: str, param: str) -> float:
 
 
 async def _until_disconnect(outputs, request: Request):
-    """Iterate outputs, stopping if the client goes away (so its blocks are freed)."""
+    """Iterate outputs, stopping if the client goes away (so its blocks are freed): checked every
+    DISCONNECT_CHECK_S, whether tokens come fast or not at all."""
     iterator = outputs.__aiter__()
+    checked = time.monotonic()
     while True:
         next_output = asyncio.ensure_future(iterator.__anext__())
-        while not next_output.done():
-            done, _ = await asyncio.wait({next_output}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                next_output.cancel()
-                return
+        while True:
+            done, _ = await asyncio.wait({next_output}, timeout=DISCONNECT_CHECK_S)
+            if time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    next_output.cancel()
+                    await asyncio.wait({next_output})  # the generator must be left before its caller closes it
+                    return
+            if done:
+                break
         try:
             yield next_output.result()
         except StopAsyncIteration:
