@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from kvturn.model.attention import MIN_RUN_BLOCKS, AttentionMetadata, Context, PrefillSpan, context_of, paged_attention
+from kvturn.model.attention import MIN_RUN_BLOCKS, AttentionMetadata, PrefillSpan, context_of, paged_attention
 
 BLOCK, HEADS, KV_HEADS, DIM, LAYERS, POOL_BLOCKS = 4, 4, 2, 8, 2, 64
 
