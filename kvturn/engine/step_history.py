@@ -1,6 +1,6 @@
 """What each recent forward step computed and how long it took, as the engine ran it in service: the samples
 `kvturn plan` fits its cost model to (steps timed at start-up run alone, back to back, on a fresh contiguous
-context, and on the dev machine ran ~1.4x faster than the same shapes in service)."""
+context, and so run faster than the same shapes in service)."""
 from collections import deque
 from dataclasses import dataclass
 

@@ -79,7 +79,7 @@ MAX_COUNTED_MESSAGES = 64
 class TextTokens:
     """Token counts of message texts, kept per conversation by a digest of the conversation's key and the text (most
     recently used first, at most `most`): an agent resends its whole history every turn, and counting all of it
-    again on the router's event loop, ~2.7 ms per 2,500 tokens on the dev machine, held up every other turn in
+    again on the router's event loop, milliseconds per few thousand tokens, held up every other turn in
     flight. Kept per conversation, so that how fast a text is counted tells no one whether another tenant sent it."""
 
     def __init__(self, tokenizer, most: int = 8192):
