@@ -203,6 +203,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--retained-kv-budget-mb", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--retained-host-mb", type=int, default=256,
+                        help="each decode worker's host tier, so that kills land while leases move there (0: none)")
     parser.add_argument("--upstream-timeout-s", type=float, default=30.0, help="the routers' --upstream-timeout-s")
     parser.add_argument("--no-worker-wait-s", type=float, default=60.0, help="the routers' --no-worker-wait-s")
     parser.add_argument("--sample", type=int, default=64, help="turns checked against a full recompute")
@@ -224,7 +226,8 @@ def main() -> None:
     with RedisServer() as redis_server:
         stack = LocalStack(model_dir, kv_cache_mb=args.kv_cache_mb, prefix_caching_on_prefill=False,
                            num_prefill=args.prefill, num_decode=args.decode, num_routers=args.routers,
-                           decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb)],
+                           decode_args=["--retained-kv-budget-mb", str(args.retained_kv_budget_mb),
+                                        "--retained-host-mb", str(args.retained_host_mb)],
                            router_args=["--state", redis_server.url,
                                         "--upstream-timeout-s", str(args.upstream_timeout_s),
                                         "--no-worker-wait-s", str(args.no_worker_wait_s)],
