@@ -168,7 +168,8 @@ def router(
                    upstream_timeout_s=upstream_timeout_s, no_worker_wait_s=no_worker_wait_s,
                    health_interval_s=health_interval_s, max_body_mb=max_body_mb,
                    cluster_secret=cluster_secret or None, api_keys=api_key, path_policy=path_policy,
-                   stall_weight=stall_weight, backend=backend, tokenizer_dir=tokenizer or None,
+                   stall_weight=stall_weight, backend=backend,
+                   tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
                    vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
