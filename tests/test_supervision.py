@@ -1,6 +1,7 @@
 """Logs and supervision: `kvturn serve` writes each process's log where it says, restarts a process that dies,
 and leaves nothing behind on SIGTERM; an internal error names the log file and a request id found in it; a turn
 caught by a worker's death is carried over once the worker is back."""
+import json
 import os
 import queue
 import re
@@ -193,6 +194,45 @@ def test_a_killed_decode_worker_is_restarted_and_the_turn_that_held_its_lease_re
     assert result["usage"]["completion_tokens"] == 16
     assert result["kvturn"]["reuse"] != "reused"  # the lease died with the old engine: P computed the history
     assert result["kvturn"]["prompt_tokens_from_decode"] == 0
+
+
+def carried_over(url: str) -> float:
+    """Turns the router ran again once a worker came back."""
+    try:
+        return metric(url, "kvturn_router_retries_total", '{reason="worker_back"}')
+    except KeyError:
+        return 0.0
+
+
+def test_a_streamed_turn_whose_first_token_went_out_completes_once_its_decode_worker_is_back(serve):
+    messages = [{"role": "system", "content": SYSTEM * 2}, user_message(2)]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "conversation_id": "stream-carried"}
+    prefill, decode = serve.pid_of("prefill"), serve.pid_of("decode")
+    carried_before = carried_over(serve.url)
+    os.kill(prefill, signal.SIGSTOP)  # hold the turn at P until D is stopped too
+    events: queue.Queue = queue.Queue()
+
+    def read():
+        with httpx.stream("POST", f"{serve.url}/v1/chat/completions", json=body, timeout=DEADLINE_S) as response:
+            events.put(response.status_code)
+            for line in response.iter_lines():
+                events.put(line)
+        events.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    until(lambda: unread_bytes(serve.prefill_port) > len(SYSTEM), "the turn's request to reach the prefill worker")
+    os.kill(decode, signal.SIGSTOP)
+    os.kill(prefill, signal.SIGCONT)
+    assert events.get(timeout=DEADLINE_S) == 200
+    assert events.get(timeout=DEADLINE_S).startswith("data: ")  # P's first token went out ahead of D
+    os.kill(decode, signal.SIGKILL)  # the decode worker dies before it answers: serve starts it again
+    lines = [line for line in iter(lambda: events.get(timeout=DEADLINE_S), None) if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert not [chunk for chunk in chunks if "error" in chunk], lines
+    assert lines[-1] == "data: [DONE]"
+    assert next(chunk["usage"] for chunk in chunks if chunk.get("usage"))["completion_tokens"] == 8
+    assert serve.pid_of("decode") != decode
+    assert carried_over(serve.url) > carried_before
 
 
 def test_sigterm_to_serve_stops_every_process_it_started(serve):

@@ -4,6 +4,7 @@ relayed to the client as it comes, with the lease D returns at the end remembere
 `Streaming` is a part of `turn.Turn`; it uses the turn's state (body, router, backend, work clock) and its
 `open_decode`, `learn_and_trace` and `waiting`.
 """
+import asyncio
 import json
 import logging
 import time
@@ -53,7 +54,7 @@ class Streaming:
         yield first.events()
         self.first_token_at, self.first_token_from = time.perf_counter(), "prefill"
         self.work.resume()
-        opened = await self.open_decode(d_body)
+        opened = await self.open_decode_or_wait(d_body)
         if isinstance(opened, Response):
             self.work.pause()
             yield stream_error(opened.body, opened.status_code)
@@ -67,6 +68,20 @@ class Streaming:
             await relay.aclose()
             claim.release()
             await response.close()
+
+    async def open_decode_or_wait(self, d_body: dict) -> tuple[Claim, Stream] | Response:
+        """open_decode for a stream whose status already went out with P's first token: when no decode worker is
+        left, wait for one to come back (a restarted one) within no_worker_wait_s and open it then. P keeps the
+        prompt's blocks pinned meanwhile, and a decode worker that finds them gone recomputes them, continuing
+        from the same first token."""
+        router = self.router
+        deadline = asyncio.get_running_loop().time() + router.config.no_worker_wait_s
+        opened = await self.open_decode(d_body)
+        while (isinstance(opened, Response) and opened.status_code == 503 and not router.decode.healthy()
+               and await self.waiting(router.wait_for_workers(deadline))):
+            router.metrics.retries.labels("worker_back").inc()
+            opened = await self.open_decode(d_body)
+        return opened
 
     async def close_stream(self, claim: Claim, response: Stream) -> None:
         """Runs after the response, even when the client left before the relay began."""
