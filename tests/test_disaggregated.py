@@ -20,21 +20,24 @@ from kvturn.router.upstream import IDLE_CONNECTION_S
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
 TURNS = 5
+NO_CALIBRATION = ["--no-calibrate"]  # the path is fixed (pull): start-up timing would only queue workers on its lock
 
 
 @pytest.fixture(scope="module")
 def stacks(tiny_model_dir, tmp_path_factory):
-    """Four deployments started together (their start-up overlaps)."""
+    """Five deployments started together (their start-up overlaps)."""
     logs = tmp_path_factory.mktemp("stack-logs")
     specs = {
-        "colocated": dict(mode="colocated"),
-        "pd": dict(bidirectional=False),
-        "bidir": dict(prefix_caching_on_prefill=False),
+        "colocated": {"mode": "colocated"},
+        "pd": {"bidirectional": False, "pin_workers": True},  # P and D on cores of their own (with two or more)
+        "bidir": {"prefix_caching_on_prefill": False},
         # prefix cache on P, two decode workers, a short lease: for threshold, expiry and failover
-        "bidir2": dict(num_decode=2, decode_args=["--decoder-kv-blocks-ttl-s", "8"]),
+        "bidir2": {"num_decode": 2, "decode_args": ["--decoder-kv-blocks-ttl-s", "8"]},
+        # one test's alone: its P starts knowing no peer
+        "fresh": {"prefix_caching_on_prefill": False},
     }
-    built = {name: LocalStack(tiny_model_dir, kv_cache_mb=64, log_dir=logs / name, **spec)
-             for name, spec in specs.items()}
+    built = {name: LocalStack(tiny_model_dir, kv_cache_mb=64, log_dir=logs / name, worker_args=NO_CALIBRATION,
+                              **spec) for name, spec in specs.items()}
     try:
         for stack in built.values():  # launch all processes first, then wait for each
             stack.start_worker_processes()
@@ -348,28 +351,28 @@ def test_the_router_streams_prefills_first_token_ahead_and_the_answer_is_unchang
 SYSTEM_FOR_FIRST_TOKEN = "You answer in one short line. " * 20
 
 
-def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(tiny_model_dir, tmp_path):
+def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(stacks):
     """D's first read from P introduces D to P, so the first turn that reuses D's KV does no NIXL handshake."""
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefix_caching_on_prefill=False, log_dir=tmp_path) as stack:
-        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 0
-        _, results = conversation(stack.url, 1, conversation_id="introduced")
-        assert results[0]["kvturn"]["bytes_p_to_d"] > 0  # D read from P
-        deadline = time.monotonic() + 10
-        while metric(stack.urls["prefill"], "kvturn_nixl_peers") < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
-        _, results = conversation(stack.url, 2, conversation_id="introduced")
-        assert results[1]["kvturn"]["reuse"] == "reused"
+    stack = stacks["fresh"]
+    assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 0
+    _, results = conversation(stack.url, 1, conversation_id="introduced")
+    assert results[0]["kvturn"]["bytes_p_to_d"] > 0  # D read from P
+    deadline = time.monotonic() + 10
+    while metric(stack.urls["prefill"], "kvturn_nixl_peers") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
+    _, results = conversation(stack.url, 2, conversation_id="introduced")
+    assert results[1]["kvturn"]["reuse"] == "reused"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
-def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(tiny_model_dir, tmp_path, reference):
+def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(stacks, reference):
     """`kvturn bench --pin-workers`: P on the first half of the cores, D on the rest, one compute thread a core."""
     cores = sorted(os.sched_getaffinity(0))
     half = len(cores) // 2
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, log_dir=tmp_path, pin_workers=True) as stack:
-        assert os.sched_getaffinity(stack.processes["prefill"].pid) == set(cores[:half])
-        assert os.sched_getaffinity(stack.processes["decode0"].pid) == set(cores[half:])
-        assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
-        _, results = conversation(stack.url, 2, conversation_id="pinned")
+    stack = stacks["pd"]
+    assert os.sched_getaffinity(stack.processes["prefill"].pid) == set(cores[:half])
+    assert os.sched_getaffinity(stack.processes["decode0"].pid) == set(cores[half:])
+    assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
+    _, results = conversation(stack.url, 2, conversation_id="pinned")
     assert [r["text"] for r in results] == [r["text"] for r in reference[1][:2]]
