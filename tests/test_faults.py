@@ -22,6 +22,7 @@ from kvturn.launch import LocalStack, free_port, start, stop
 from kvturn.model.loader import load_model
 
 SECRET = "test-cluster-secret"
+NO_CALIBRATION = ["--no-calibrate"]  # the path is fixed (pull): start-up timing would only slow each (re)start
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fault-logs")
     state = tmp_path_factory.mktemp("state") / "router.sqlite"
     built = LocalStack(tiny_model_dir, num_decode=2, kv_cache_mb=64, log_dir=logs, prefix_caching_on_prefill=False,
-                       worker_args=["--side-channel-timeout-s", "2"], env={"KVTURN_CLUSTER_SECRET": SECRET},
+                       worker_args=["--side-channel-timeout-s", "2", *NO_CALIBRATION],
+                       env={"KVTURN_CLUSTER_SECRET": SECRET},
                        router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1",
                                     "--no-worker-wait-s", "300"])  # a restart outlasts the default on a busy machine
     with built:
@@ -140,7 +142,8 @@ def wait_healthy_or_503(url: str, process) -> None:
 
 
 def test_sigterm_drains_the_in_flight_stream(tiny_model_dir, tmp_path):
-    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=32, log_dir=tmp_path) as single:
+    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=32, worker_args=NO_CALIBRATION,
+                    log_dir=tmp_path) as single:
         body = {"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{single.url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -198,7 +201,8 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
 
 
 def test_decode_refuses_a_prefill_peer_with_another_layout_and_computes_itself(tiny_model_dir, tmp_path):
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefill_args=["--block-size", "32"], log_dir=tmp_path) as pair:
+    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefill_args=["--block-size", "32"], worker_args=NO_CALIBRATION,
+                    log_dir=tmp_path) as pair:
         messages = [{"role": "system", "content": "layouts " * 80}, user_message(0)]
         result = send(pair.url, messages, "layout", stream=False)
         decode = result["kvturn"]["decode"]

@@ -127,7 +127,8 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_de
     assert later["bytes_d_to_p"] == 0 and later["bytes_p_to_d"] == 0 and later["prefill_worker"] == ""
     decode = later["decode"]
     assert decode["prompt_tokens_cached"] > 0 and decode["prompt_tokens_computed"] < decode["prompt_tokens_cached"]
-    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, log_dir=tmp_path) as colocated:
+    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, worker_args=["--no-calibrate"],
+                    log_dir=tmp_path) as colocated:
         _, reference = conversation(colocated.url, 3, conversation_id="reference")
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 

@@ -46,14 +46,14 @@ def deployment(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("trust-logs")
     fakes = {name: FakePeer(launch.free_port(), logs) for name in ("untrusted", "for_prefill", "trusted", "bad_agent")}
     stack = LocalStack(tiny_model_dir, kv_cache_mb=64, prefix_caching_on_prefill=False, log_dir=logs,
-                       decode_args=["--trusted-peer", fakes["trusted"].address])
+                       worker_args=["--no-calibrate"], decode_args=["--trusted-peer", fakes["trusted"].address])
     colocated_port = launch.free_port()
     processes = []
     try:
         stack.start_worker_processes()
         colocated = launch.start(["worker", "--role", "both", "--port", str(colocated_port), "--model",
-                                  str(tiny_model_dir), "--kv-cache-mb", "32"], logs / "open-colocated.log",
-                                 {"KVTURN_CLUSTER_SECRET": ""})
+                                  str(tiny_model_dir), "--kv-cache-mb", "32", "--no-calibrate"],
+                                 logs / "open-colocated.log", {"KVTURN_CLUSTER_SECRET": ""})
         processes.append(colocated)
         for name, url in stack.urls.items():
             launch.wait_healthy(url, stack.processes[name])
