@@ -120,6 +120,7 @@ def on_decode_stack(tiny_model_dir, tmp_path_factory):
         yield stack
 
 
+@pytest.mark.integration
 def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_decode_stack, tiny_model_dir, tmp_path):
     messages, results = conversation(on_decode_stack.url, 3, conversation_id="on-decode")
     later = results[1]["kvturn"]
@@ -133,6 +134,7 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_de
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 
 
+@pytest.mark.integration
 def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_decode_stack):
     import httpx
     for name in ("prefill", "decode0"):
@@ -335,6 +337,7 @@ def test_a_workers_hostile_calibration_reply_neither_stops_the_router_nor_teache
     assert costs.compute_ms("prefill", 3000, 0) == CostModel().compute_ms("prefill", 3000, 0)
 
 
+@pytest.mark.integration
 def test_with_the_models_tokenizer_the_router_counts_a_prompts_tokens(on_decode_stack):
     # Digits make about twice the tokens a byte that words do: estimated from bytes at the rate of words, a turn
     # of digits would seem to hold half the tokens it does. The first turn's whole prompt is counted, and later
