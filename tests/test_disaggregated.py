@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -45,8 +46,8 @@ def stacks(tiny_model_dir, tmp_path_factory):
             stack.wait_and_start_router()
         yield built
     finally:
-        for stack in built.values():
-            stack.stop()
+        with ThreadPoolExecutor(len(built)) as stopping:  # each stack stops its processes one at a time
+            list(stopping.map(LocalStack.stop, built.values()))
 
 
 @pytest.fixture(scope="module")
