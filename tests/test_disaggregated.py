@@ -238,35 +238,48 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
+def health(sock: socket.socket) -> bytes:
+    """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: kvturn\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return b""
+        answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head.split(b"\r\n")[0]
+
+
+IDLE_S = 6  # past uvicorn's default keep-alive
+
+
+@pytest.fixture(scope="module", autouse=True)
+def idle_connections(stacks):
+    """Connections to the pd stack's router and workers, each asked for /health before the module's first test and
+    then left idle while the tests run: the keep-alive test waits only for what is left of IDLE_S."""
+    connections = [connect(stacks["pd"].urls[name]) for name in ("router", "prefill", "decode0")]
+    first_answers = [health(sock) for sock in connections]
+    idle_from = time.monotonic()
+    yield connections, first_answers, idle_from
+    for sock in connections:
+        sock.close()
+
+
+def test_servers_keep_an_idle_connection_longer_than_their_clients_do(idle_connections):
     """A server that closes an idle connection first races a client sending on it at that moment: the request
     fails as a disconnect and the router takes the worker for dead (a bench run lost a turn so). kvturn's servers
     outlast uvicorn's default 5 s; the router reuses a connection for less than that, for servers it does not run."""
     assert IDLE_CONNECTION_S < 5 < SERVER_KEEP_ALIVE_S
-    connections = [connect(stacks["pd"].urls[name]) for name in ("router", "prefill", "decode0")]
-
-    def health(sock: socket.socket) -> bytes:
-        """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: kvturn\r\n\r\n")
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            chunk = sock.recv(4096)
-            if not chunk:
-                return b""
-            answer += chunk
-        head, body = answer.split(b"\r\n\r\n", 1)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
-        while len(body) < length:
-            body += sock.recv(4096)
-        return head.split(b"\r\n")[0]
-
+    connections, first_answers, idle_from = idle_connections
+    assert first_answers == [b"HTTP/1.1 200 OK"] * len(connections)
+    time.sleep(max(0.0, idle_from + IDLE_S - time.monotonic()))
     for sock in connections:
         assert health(sock) == b"HTTP/1.1 200 OK"
-    time.sleep(6)  # idle past uvicorn's default keep-alive
-    for sock in connections:
-        assert health(sock) == b"HTTP/1.1 200 OK"
-        sock.close()
 
 
 def raw_answer(url: str, request: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
