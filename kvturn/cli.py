@@ -193,6 +193,7 @@ def serve(
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     path_policy: str = option(RouterConfig, "path_policy"),
     no_worker_wait_s: float = option(RouterConfig, "no_worker_wait_s"),
+    calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
     log_dir: Optional[Path] = typer.Option(None, help="write each process's log here (default: a new folder under "
                                                       "the kvturn cache, $KVTURN_CACHE_DIR/logs, printed at start)"),
     restart: bool = option(SupervisorConfig, "restart", "--restart/--no-restart"),
@@ -211,7 +212,7 @@ def serve(
     supervisor = build(SupervisorConfig, restart=restart, restart_backoff_s=restart_backoff_s,
                        restart_backoff_max_s=restart_backoff_max_s, restart_settled_s=restart_settled_s)
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
-                   "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)]
+                   "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
                    *(a for key in api_key for a in ("--api-key", key))]

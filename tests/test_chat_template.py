@@ -86,6 +86,7 @@ def test_no_template_and_a_template_refusing_the_messages_raise_a_chat_template_
         ChatTokenizer(model).apply_chat_template([{"role": "developer", "content": "x"}])
 
 
+@pytest.mark.integration
 def test_a_worker_chats_with_only_a_jinja_file_and_answers_a_refusing_template_with_a_400(jinja_only_dir, tmp_path):
     port = launch.free_port()
     process = launch.start(["worker", "--port", str(port), "--model", str(jinja_only_dir), "--kv-cache-mb", "32",

@@ -28,9 +28,12 @@ def test_put_then_lookup_and_drop():
 
 
 def test_an_entry_past_its_lease_is_reported_expired():
-    table = ConversationTable(ttl_s=60, max_entries=10)
-    run(table.put(entry("a", expiry=time.time() + 0.05)))
-    time.sleep(0.1)
+    now = [1_000.0]
+    table = ConversationTable(ttl_s=60, max_entries=10, clock=lambda: now[0])
+    run(table.put(entry("a", expiry=now[0] + 5)))
+    now[0] += 4.9
+    assert run(table.lookup("a"))[1] is None
+    now[0] += 0.1
     assert run(table.lookup("a")) == (None, "expired")
 
 

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,21 +21,24 @@ from kvturn.router.upstream import IDLE_CONNECTION_S
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
 TURNS = 5
+NO_CALIBRATION = ["--no-calibrate"]  # the path is fixed (pull): start-up timing would only queue workers on its lock
 
 
 @pytest.fixture(scope="module")
 def stacks(tiny_model_dir, tmp_path_factory):
-    """Four deployments started together (their start-up overlaps)."""
+    """Five deployments started together (their start-up overlaps)."""
     logs = tmp_path_factory.mktemp("stack-logs")
     specs = {
-        "colocated": dict(mode="colocated"),
-        "pd": dict(bidirectional=False),
-        "bidir": dict(prefix_caching_on_prefill=False),
+        "colocated": {"mode": "colocated"},
+        "pd": {"bidirectional": False, "pin_workers": True},  # P and D on cores of their own (with two or more)
+        "bidir": {"prefix_caching_on_prefill": False},
         # prefix cache on P, two decode workers, a short lease: for threshold, expiry and failover
-        "bidir2": dict(num_decode=2, decode_args=["--decoder-kv-blocks-ttl-s", "8"]),
+        "bidir2": {"num_decode": 2, "decode_args": ["--decoder-kv-blocks-ttl-s", "8"]},
+        # one test's alone: its P starts knowing no peer
+        "fresh": {"prefix_caching_on_prefill": False},
     }
-    built = {name: LocalStack(tiny_model_dir, kv_cache_mb=64, log_dir=logs / name, **spec)
-             for name, spec in specs.items()}
+    built = {name: LocalStack(tiny_model_dir, kv_cache_mb=64, log_dir=logs / name, worker_args=NO_CALIBRATION,
+                              **spec) for name, spec in specs.items()}
     try:
         for stack in built.values():  # launch all processes first, then wait for each
             stack.start_worker_processes()
@@ -42,8 +46,8 @@ def stacks(tiny_model_dir, tmp_path_factory):
             stack.wait_and_start_router()
         yield built
     finally:
-        for stack in built.values():
-            stack.stop()
+        with ThreadPoolExecutor(len(built)) as stopping:  # each stack stops its processes one at a time
+            list(stopping.map(LocalStack.stop, built.values()))
 
 
 @pytest.fixture(scope="module")
@@ -234,35 +238,48 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-def test_servers_keep_an_idle_connection_longer_than_their_clients_do(stacks):
+def health(sock: socket.socket) -> bytes:
+    """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: kvturn\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return b""
+        answer += chunk
+    head, body = answer.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head.split(b"\r\n")[0]
+
+
+IDLE_S = 6  # past uvicorn's default keep-alive
+
+
+@pytest.fixture(scope="module", autouse=True)
+def idle_connections(stacks):
+    """Connections to the pd stack's router and workers, each asked for /health before the module's first test and
+    then left idle while the tests run: the keep-alive test waits only for what is left of IDLE_S."""
+    connections = [connect(stacks["pd"].urls[name]) for name in ("router", "prefill", "decode0")]
+    first_answers = [health(sock) for sock in connections]
+    idle_from = time.monotonic()
+    yield connections, first_answers, idle_from
+    for sock in connections:
+        sock.close()
+
+
+def test_servers_keep_an_idle_connection_longer_than_their_clients_do(idle_connections):
     """A server that closes an idle connection first races a client sending on it at that moment: the request
     fails as a disconnect and the router takes the worker for dead (a bench run lost a turn so). kvturn's servers
     outlast uvicorn's default 5 s; the router reuses a connection for less than that, for servers it does not run."""
     assert IDLE_CONNECTION_S < 5 < SERVER_KEEP_ALIVE_S
-    connections = [connect(stacks["pd"].urls[name]) for name in ("router", "prefill", "decode0")]
-
-    def health(sock: socket.socket) -> bytes:
-        """The status line of one GET /health on `sock`, its whole answer read; b"" if the server closed it."""
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: kvturn\r\n\r\n")
-        answer = b""
-        while b"\r\n\r\n" not in answer:
-            chunk = sock.recv(4096)
-            if not chunk:
-                return b""
-            answer += chunk
-        head, body = answer.split(b"\r\n\r\n", 1)
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length"))
-        while len(body) < length:
-            body += sock.recv(4096)
-        return head.split(b"\r\n")[0]
-
+    connections, first_answers, idle_from = idle_connections
+    assert first_answers == [b"HTTP/1.1 200 OK"] * len(connections)
+    time.sleep(max(0.0, idle_from + IDLE_S - time.monotonic()))
     for sock in connections:
         assert health(sock) == b"HTTP/1.1 200 OK"
-    time.sleep(6)  # idle past uvicorn's default keep-alive
-    for sock in connections:
-        assert health(sock) == b"HTTP/1.1 200 OK"
-        sock.close()
 
 
 def raw_answer(url: str, request: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
@@ -348,28 +365,28 @@ def test_the_router_streams_prefills_first_token_ahead_and_the_answer_is_unchang
 SYSTEM_FOR_FIRST_TOKEN = "You answer in one short line. " * 20
 
 
-def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(tiny_model_dir, tmp_path):
+def test_a_prefill_worker_connects_back_to_a_decode_worker_that_read_from_it(stacks):
     """D's first read from P introduces D to P, so the first turn that reuses D's KV does no NIXL handshake."""
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefix_caching_on_prefill=False, log_dir=tmp_path) as stack:
-        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 0
-        _, results = conversation(stack.url, 1, conversation_id="introduced")
-        assert results[0]["kvturn"]["bytes_p_to_d"] > 0  # D read from P
-        deadline = time.monotonic() + 10
-        while metric(stack.urls["prefill"], "kvturn_nixl_peers") < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
-        _, results = conversation(stack.url, 2, conversation_id="introduced")
-        assert results[1]["kvturn"]["reuse"] == "reused"
+    stack = stacks["fresh"]
+    assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 0
+    _, results = conversation(stack.url, 1, conversation_id="introduced")
+    assert results[0]["kvturn"]["bytes_p_to_d"] > 0  # D read from P
+    deadline = time.monotonic() + 10
+    while metric(stack.urls["prefill"], "kvturn_nixl_peers") < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(stack.urls["prefill"], "kvturn_nixl_peers") == 1
+    _, results = conversation(stack.url, 2, conversation_id="introduced")
+    assert results[1]["kvturn"]["reuse"] == "reused"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
-def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(tiny_model_dir, tmp_path, reference):
+def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(stacks, reference):
     """`kvturn bench --pin-workers`: P on the first half of the cores, D on the rest, one compute thread a core."""
     cores = sorted(os.sched_getaffinity(0))
     half = len(cores) // 2
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, log_dir=tmp_path, pin_workers=True) as stack:
-        assert os.sched_getaffinity(stack.processes["prefill"].pid) == set(cores[:half])
-        assert os.sched_getaffinity(stack.processes["decode0"].pid) == set(cores[half:])
-        assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
-        _, results = conversation(stack.url, 2, conversation_id="pinned")
+    stack = stacks["pd"]
+    assert os.sched_getaffinity(stack.processes["prefill"].pid) == set(cores[:half])
+    assert os.sched_getaffinity(stack.processes["decode0"].pid) == set(cores[half:])
+    assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
+    _, results = conversation(stack.url, 2, conversation_id="pinned")
     assert [r["text"] for r in results] == [r["text"] for r in reference[1][:2]]

@@ -22,6 +22,7 @@ from kvturn.launch import LocalStack, free_port, start, stop
 from kvturn.model.loader import load_model
 
 SECRET = "test-cluster-secret"
+NO_CALIBRATION = ["--no-calibrate"]  # the path is fixed (pull): start-up timing would only slow each (re)start
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fault-logs")
     state = tmp_path_factory.mktemp("state") / "router.sqlite"
     built = LocalStack(tiny_model_dir, num_decode=2, kv_cache_mb=64, log_dir=logs, prefix_caching_on_prefill=False,
-                       worker_args=["--side-channel-timeout-s", "2"], env={"KVTURN_CLUSTER_SECRET": SECRET},
+                       worker_args=["--side-channel-timeout-s", "2", *NO_CALIBRATION],
+                       env={"KVTURN_CLUSTER_SECRET": SECRET},
                        router_args=["--state", str(state), "--upstream-timeout-s", "10", "--health-interval-s", "1",
                                     "--no-worker-wait-s", "300"])  # a restart outlasts the default on a busy machine
     with built:
@@ -140,7 +142,8 @@ def wait_healthy_or_503(url: str, process) -> None:
 
 
 def test_sigterm_drains_the_in_flight_stream(tiny_model_dir, tmp_path):
-    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=32, log_dir=tmp_path) as single:
+    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=32, worker_args=NO_CALIBRATION,
+                    log_dir=tmp_path) as single:
         body = {"prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{single.url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -166,7 +169,8 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
         engine = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16),
                            emit=lambda out: outputs.extend(out.new_token_ids), detokenize=lambda ids: "",
                            eos_token_ids=set())
-        connector = KVConnector(engine, ConnectorConfig(kv_read_timeout_s=1.0))
+        now = [0.0]  # the connector's clock, moved by hand
+        connector = KVConnector(engine, ConnectorConfig(kv_read_timeout_s=1.0), clock=lambda: now[0])
         connector.nixl.add_peer(info)
         os.kill(remote.pid, signal.SIGSTOP)
         prompt = torch.randint(3, 4000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -174,14 +178,19 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
         from kvturn.engine.block_manager import block_hashes
         hashes = block_hashes(prompt, 16)
         remote_blocks = RemoteBlocks(info["engine_id"], list(range(len(hashes))), hashes, [0] * len(hashes),
-                                     time.time() + 60, "handle")
+                                     now[0] + 60, "handle")
         engine.add_request(Sequence("hung", prompt, params, remote=remote_blocks))
-        started = time.monotonic()
-        while "hung" in engine.sequences and time.monotonic() - started < 30:
+        for _ in range(20):  # the read is posted and polled; no time passes on the connector's clock
+            engine.step()
+            time.sleep(0.01)
+        assert len(connector.loads) == 1 and not outputs and not connector.stats.reuse_declines["peer_unreachable"]
+        now[0] += 1.01  # past kv_read_timeout_s
+        hang_guard = time.monotonic() + 60
+        while "hung" in engine.sequences:
+            assert time.monotonic() < hang_guard, "the request neither read nor recomputed"
             if not engine.step():
                 time.sleep(0.005)
-        assert connector.stats.reuse_declines["peer_unreachable"] == 1
-        assert 1.0 <= time.monotonic() - started < 30 and len(outputs) == 8
+        assert connector.stats.reuse_declines["peer_unreachable"] == 1 and len(outputs) == 8
         reference = []
         plain = LLMEngine(load_model(tiny_model_dir), EngineConfig(kv_cache_mb=16),
                           emit=lambda out: reference.extend(out.new_token_ids), detokenize=lambda ids: "",
@@ -198,7 +207,8 @@ def test_a_hung_kv_read_times_out_and_the_request_recomputes(tiny_model_dir):
 
 
 def test_decode_refuses_a_prefill_peer_with_another_layout_and_computes_itself(tiny_model_dir, tmp_path):
-    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefill_args=["--block-size", "32"], log_dir=tmp_path) as pair:
+    with LocalStack(tiny_model_dir, kv_cache_mb=32, prefill_args=["--block-size", "32"], worker_args=NO_CALIBRATION,
+                    log_dir=tmp_path) as pair:
         messages = [{"role": "system", "content": "layouts " * 80}, user_message(0)]
         result = send(pair.url, messages, "layout", stream=False)
         decode = result["kvturn"]["decode"]

@@ -4,9 +4,9 @@ from kvturn.engine.block_manager import BlockManager
 from kvturn.kv_transfer.leases import LeaseTable
 
 
-def table(blocks=32, budget=None):
+def table(blocks=32, budget=None, clock=time.monotonic):
     bm = BlockManager(blocks, 16)
-    return bm, LeaseTable(bm, budget)
+    return bm, LeaseTable(bm, budget, clock=clock)
 
 
 def retain(bm, leases, n, key, ttl=60.0, after_read=False):
@@ -25,10 +25,11 @@ def test_a_lease_is_found_only_with_its_key():
 
 
 def test_a_lease_can_be_read_many_times_until_it_expires():
-    bm, leases = table()
+    now = [100.0]
+    bm, leases = table(clock=lambda: now[0])
     lease = retain(bm, leases, 2, "c", ttl=0.2)
     assert leases.lookup(lease.handle, "c") and leases.lookup(lease.handle, "c")
-    time.sleep(0.25)
+    now[0] += 0.25
     assert leases.lookup(lease.handle, "c") is None
     assert leases.expire() == 1 and bm.num_free_blocks == 32
 

@@ -28,7 +28,8 @@ def workers(tiny_model_dir, redis_server, tmp_path_factory):
     """1 P (prefix cache off, so every reuse is a read from D) + 1 D, both registered in Redis."""
     stack = LocalStack(tiny_model_dir, prefix_caching_on_prefill=False, kv_cache_mb=48,
                        log_dir=tmp_path_factory.mktemp("many-routers"),
-                       worker_args=["--register", redis_server.url, "--register-ttl-s", str(REGISTRATION_TTL_S)])
+                       worker_args=["--register", redis_server.url, "--register-ttl-s", str(REGISTRATION_TTL_S),
+                                    "--no-calibrate"])
     try:
         stack.start_worker_processes()
         for name, url in stack.urls.items():

@@ -113,25 +113,43 @@ def test_one_compute_fit_covers_a_prompt_from_scratch_and_new_tokens_on_a_long_h
 
 
 @pytest.fixture(scope="module")
-def on_decode_stack(tiny_model_dir, tmp_path_factory):
-    stack = LocalStack(tiny_model_dir, kv_cache_mb=64, prefix_caching_on_prefill=False,
-                       router_args=["--path-policy", "compute_on_decode"], log_dir=tmp_path_factory.mktemp("paths"))
-    with stack:
-        yield stack
+def stacks(tiny_model_dir, tmp_path_factory):
+    """P/D with turns computed on D, and a colocated worker for reference answers, started together."""
+    logs = tmp_path_factory.mktemp("paths")
+    built = (LocalStack(tiny_model_dir, kv_cache_mb=64, prefix_caching_on_prefill=False,
+                        router_args=["--path-policy", "compute_on_decode"], log_dir=logs / "on-decode"),
+             LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, worker_args=["--no-calibrate"],
+                        log_dir=logs / "colocated"))
+    try:
+        for stack in built:
+            stack.start_worker_processes()
+        for stack in built:
+            stack.wait_and_start_router()
+        yield built
+    finally:
+        for stack in built:
+            stack.stop()
 
 
-def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(on_decode_stack, tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def on_decode_stack(stacks):
+    return stacks[0]
+
+
+@pytest.mark.integration
+def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(stacks):
+    on_decode_stack, colocated = stacks
     messages, results = conversation(on_decode_stack.url, 3, conversation_id="on-decode")
     later = results[1]["kvturn"]
     assert later["path"]["chosen"] == paths.COMPUTE_ON_DECODE
     assert later["bytes_d_to_p"] == 0 and later["bytes_p_to_d"] == 0 and later["prefill_worker"] == ""
     decode = later["decode"]
     assert decode["prompt_tokens_cached"] > 0 and decode["prompt_tokens_computed"] < decode["prompt_tokens_cached"]
-    with LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, log_dir=tmp_path) as colocated:
-        _, reference = conversation(colocated.url, 3, conversation_id="reference")
+    _, reference = conversation(colocated.url, 3, conversation_id="reference")
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 
 
+@pytest.mark.integration
 def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_decode_stack):
     import httpx
     for name in ("prefill", "decode0"):
@@ -334,6 +352,7 @@ def test_a_workers_hostile_calibration_reply_neither_stops_the_router_nor_teache
     assert costs.compute_ms("prefill", 3000, 0) == CostModel().compute_ms("prefill", 3000, 0)
 
 
+@pytest.mark.integration
 def test_with_the_models_tokenizer_the_router_counts_a_prompts_tokens(on_decode_stack):
     # Digits make about twice the tokens a byte that words do: estimated from bytes at the rate of words, a turn
     # of digits would seem to hold half the tokens it does. The first turn's whole prompt is counted, and later

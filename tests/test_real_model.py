@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from chat import send
 from kvturn.cli import app
-from kvturn.launch import LocalStack
+from kvturn.launch import LocalStack, free_port, wait_healthy
 from kvturn.model import pull
 from kvturn.model.tokenizer import ChatTokenizer
 
@@ -86,33 +86,36 @@ def transformers_conversation(model_dir) -> list[tuple[list[int], list[int], str
 
 @pytest.fixture(scope="module")
 def deployment(smollm2_dir, tmp_path_factory):
-    """Two P/D deployments, P's prefix cache off in both (history pulled D->P, or computed on D), and transformers'
-    conversation, computed while the workers start."""
-    logs = tmp_path_factory.mktemp("real-model-logs")
-    built = {policy: LocalStack(smollm2_dir, prefix_caching_on_prefill=False, kv_cache_mb=96,
-                                worker_args=["--no-calibrate"], router_args=["--path-policy", policy],
-                                log_dir=logs / policy)
-             for policy in ("pull", "compute_on_decode")}
+    """One P (its prefix cache off) and two D, with a router for each path policy and a D of its own for each (the
+    history pulled D->P, or computed on D); and transformers' conversation, computed while the workers start."""
+    stack = LocalStack(smollm2_dir, prefix_caching_on_prefill=False, num_decode=2, kv_cache_mb=96,
+                       worker_args=["--no-calibrate"], log_dir=tmp_path_factory.mktemp("real-model-logs"))
+    routers = {"pull": "decode0", "compute_on_decode": "decode1"}
     try:
-        for stack in built.values():
-            stack.start_worker_processes()
+        stack.start_worker_processes()
         reference = transformers_conversation(smollm2_dir)
-        for stack in built.values():
-            stack.wait_and_start_router()
-        yield built, reference
+        for name, url in list(stack.urls.items()):
+            wait_healthy(url, stack.processes[name])
+        for policy, decode in routers.items():
+            stack.urls[policy] = f"http://127.0.0.1:{free_port()}"
+            stack.launch(policy, ["router", "--port", stack.urls[policy].rsplit(":", 1)[1], "--prefill",
+                                  stack.urls["prefill"], "--decode", stack.urls[decode], "--tokenizer",
+                                  str(smollm2_dir), "--path-policy", policy])
+        for policy in routers:
+            wait_healthy(stack.urls[policy], stack.processes[policy])
+        yield stack.urls, reference
     finally:
-        for stack in built.values():
-            stack.stop()
+        stack.stop()
 
 
 @pytest.mark.parametrize("policy", ["pull", "compute_on_decode"])
 def test_six_turns_through_p_and_d_answer_as_transformers_token_for_token(policy, deployment):
-    stacks, reference = deployment
+    routers, reference = deployment
     messages = [{"role": "system", "content": SYSTEM}]
     previous_prompt_tokens = 0
     for turn, (question, (prompt, expected, expected_text)) in enumerate(zip(QUESTIONS, reference)):
         messages.append({"role": "user", "content": question})  # with kvturn's answers, equal to transformers' so far
-        result = send(stacks[policy].url, messages, f"real-{policy}", stream=turn % 2 == 1, max_tokens=MAX_TOKENS,
+        result = send(routers[policy], messages, f"real-{policy}", stream=turn % 2 == 1, max_tokens=MAX_TOKENS,
                       extra={"ignore_eos": False})
         assert result["usage"]["prompt_tokens"] == len(prompt), turn
         assert result["text"] == expected_text, turn

@@ -12,6 +12,7 @@ from kvturn.launch import LocalStack
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 DECODES = ("decode0", "decode1")
+NO_CALIBRATION = ["--no-calibrate"]  # the path is fixed (pull): start-up timing would only slow each start
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +20,10 @@ def stacks(tiny_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("retention-logs")
     tiered = LocalStack(tiny_model_dir, kv_cache_mb=64, prefix_caching_on_prefill=False, num_decode=2,
                         decode_args=["--retained-kv-budget-mb", "1", "--retained-host-mb", "4"],
-                        router_args=["--api-key", KEY_A, "--api-key", KEY_B], log_dir=logs / "tiered")
-    colocated = LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, log_dir=logs / "colocated")
+                        router_args=["--api-key", KEY_A, "--api-key", KEY_B], worker_args=NO_CALIBRATION,
+                        log_dir=logs / "tiered")
+    colocated = LocalStack(tiny_model_dir, mode="colocated", kv_cache_mb=64, worker_args=NO_CALIBRATION,
+                           log_dir=logs / "colocated")
     try:
         for stack in (tiered, colocated):
             stack.start_worker_processes()

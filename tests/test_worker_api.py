@@ -14,7 +14,7 @@ def worker(tiny_model_dir, tmp_path_factory):
     port = launch.free_port()
     log = tmp_path_factory.mktemp("logs") / "worker.log"
     process = launch.start(["worker", "--port", str(port), "--model", str(tiny_model_dir), "--kv-cache-mb", "64",
-                            "--max-model-len", "4096", "--served-model-name", "tiny"], log)
+                            "--max-model-len", "4096", "--served-model-name", "tiny", "--no-calibrate"], log)
     url = f"http://127.0.0.1:{port}"
     launch.wait_healthy(url, process)
     yield url, log

@@ -75,6 +75,7 @@ class PendingLoad:
     remote_ids: list[int]
     started: float
     decision: policy.ReuseDecision
+    gives_up_at: float  # on the connector's clock: a read still in flight past it is abandoned
     steps_before: float = 0.0  # the engine's step_seconds when the read began
     reading_epochs: bool = False
 
@@ -183,6 +184,7 @@ class KVConnector:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
         started = time.perf_counter()  # before posting: over shared memory, UCX copies inside the post itself
+        gives_up_at = self.clock() + self.config.kv_read_timeout_s
         try:
             handle = self.nixl.start_block_read(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
         except Exception:
@@ -190,7 +192,7 @@ class KVConnector:
             return False
         seq.status = Status.LOADING_KV
         self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, started, decision,
-                                      self.engine.step_seconds))
+                                      gives_up_at, self.engine.step_seconds))
         return True
 
     # ---- each step: progress of reads, leases past their time
@@ -210,7 +212,7 @@ class KVConnector:
         while True:
             state = self.nixl.poll(load.handle)
             if state == IN_PROGRESS:
-                if time.perf_counter() - load.started > self.config.kv_read_timeout_s:
+                if self.clock() > load.gives_up_at:
                     self._fallback(load, policy.PEER_UNREACHABLE, in_flight=True)
                 return
             self.nixl.release(load.handle)

@@ -9,6 +9,7 @@ import json
 import sqlite3
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,10 @@ class Conversation:
 
 
 class ConversationTable:
-    def __init__(self, ttl_s: float, max_entries: int, state_path: str | Path | None = None):
+    def __init__(self, ttl_s: float, max_entries: int, state_path: str | Path | None = None,
+                 clock: Callable[[], float] = time.time):
         self.ttl_s = ttl_s
+        self.clock = clock  # wall clock: the state file outlives the process
         self.max_entries = max_entries
         self._entries: OrderedDict[str, Conversation] = OrderedDict()  # oldest write first
         self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()  # digest -> (key, expires_at)
@@ -51,7 +54,7 @@ class ConversationTable:
             self._load()
 
     def _load(self) -> None:
-        now = time.time()
+        now = self.clock()
         self._db.execute("DELETE FROM conversations WHERE expires_at <= ?", (now,))
         self._db.execute("DELETE FROM history WHERE expires_at <= ?", (now,))
         rows = self._db.execute("SELECT key, decode_url, kv_params, expires_at, extra FROM conversations "
@@ -68,7 +71,7 @@ class ConversationTable:
         """The live entry, its lease's time left counted down, or None and why: "expired" when the lease ran out
         (the turn came too late)."""
         entry = self._entries.get(key)
-        now = time.time()
+        now = self.clock()
         if entry is not None and entry.expires_at <= now:
             self._drop(key)
             return None, "expired"
@@ -81,9 +84,9 @@ class ConversationTable:
     async def put(self, entry: Conversation) -> bool:
         """Store `entry` unless the table holds a newer turn of the conversation; whether it was stored."""
         current = self._entries.get(entry.key)
-        if current is not None and current.order > entry.order and current.expires_at > time.time():
+        if current is not None and current.order > entry.order and current.expires_at > self.clock():
             return False
-        now = time.time()
+        now = self.clock()
         entry.expires_at = min(now + self.ttl_s, lease_end(entry.kv_params, now))
         entry.stored_at = now
         self._entries.pop(entry.key, None)
@@ -107,7 +110,7 @@ class ConversationTable:
 
     async def remember_history(self, digest: str, key: str) -> None:
         """A later turn whose history has this digest as a prefix continues `key`."""
-        expires = time.time() + self.ttl_s
+        expires = self.clock() + self.ttl_s
         self._history.pop(digest, None)
         self._history[digest] = (key, expires)
         while len(self._history) > self.max_entries:
@@ -123,7 +126,7 @@ class ConversationTable:
 
     async def find_history(self, digests: list[str]) -> str | None:
         """The conversation of the longest remembered prefix among `digests` (shortest first)."""
-        now = time.time()
+        now = self.clock()
         for digest in reversed(digests):
             found = self._history.get(digest)
             if found is not None and found[1] > now:
@@ -132,7 +135,7 @@ class ConversationTable:
 
     async def sweep(self) -> None:
         """Drop what has expired, so memory follows the live conversations."""
-        now = time.time()
+        now = self.clock()
         for key in [k for k, e in self._entries.items() if e.expires_at <= now]:
             self._drop(key)
         for digest in [d for d, (_, expires) in self._history.items() if expires <= now]:

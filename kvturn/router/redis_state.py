@@ -53,8 +53,10 @@ return 1
 
 
 class RedisConversationTable:
-    def __init__(self, url: str, ttl_s: float, namespace: str = "kvturn", on_error: Callable[[], None] | None = None):
+    def __init__(self, url: str, ttl_s: float, namespace: str = "kvturn", on_error: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
+        self.clock = clock  # of the retry wait and the size gauge; entries expire by Redis's own clock
         self.redis = connect(url, TIMEOUT_S)
         self._put = self.redis.register_script(PUT_UNLESS_NEWER)
         self._remember = self.redis.register_script(REMEMBER_DIGEST)
@@ -69,7 +71,7 @@ class RedisConversationTable:
 
     async def _call(self, operation: Callable[[], Awaitable], probe: bool = False):
         """The operation's result, or _FAILED when Redis cannot answer (remembered; turns carry on without it)."""
-        if not probe and time.monotonic() < self._skip_until:
+        if not probe and self.clock() < self._skip_until:
             return _FAILED
         try:
             result = await operation()
@@ -78,7 +80,7 @@ class RedisConversationTable:
             if self.healthy:
                 log.warning("conversation store unreachable, turns recompute until it is back: %s", error)
             self.healthy, self.last_error = False, error
-            self._skip_until = time.monotonic() + RETRY_AFTER_S
+            self._skip_until = self.clock() + RETRY_AFTER_S
             if self._on_error:
                 self._on_error()
             return _FAILED
@@ -155,9 +157,9 @@ class RedisConversationTable:
 
     async def size(self) -> tuple[int, int]:
         """(conversations, history digests) in Redis, counted at most every SIZE_EVERY_S."""
-        if time.monotonic() - self._size_at < SIZE_EVERY_S:
+        if self.clock() - self._size_at < SIZE_EVERY_S:
             return self._size
-        self._size_at = time.monotonic()
+        self._size_at = self.clock()
         conversations = await self._call(lambda: self._count(self._conversation_prefix))
         digests = await self._call(lambda: self._count(self._digest_prefix))
         if conversations is not _FAILED and digests is not _FAILED:
