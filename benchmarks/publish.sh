@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The runs behind the README's headline table, written to results/published/ (each folder: results.json, summary.md
+# stamped with machine, date and commit). Run on a quiet machine: about an hour on 2 cores.
+#   bash benchmarks/publish.sh [NAME...]     # all, or only the named runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=results/published
+mkdir -p "$OUT"
+
+run() {  # NAME COMMAND...: skipped unless named (or nothing named)
+    local name=$1; shift
+    if [ ${#SELECTED[@]} -gt 0 ] && [[ ! " ${SELECTED[*]} " =~ " $name " ]]; then return; fi
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+}
+SELECTED=("$@")
+
+run sweep-8k-x3 $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 8192 --repeats 3 \
+    --legs pd/P-cache-off,bidir/P-cache-off --out "$OUT/sweep-8k-x3"
+run sweep-32k $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 32768 --repeats 3 \
+    --legs pd/P-cache-off,bidir/P-cache-off --out "$OUT/sweep-32k"
+run coding-agent-32k $PY -m kvturn.cli bench --compare --scenario coding-agent --max-prompt-tokens 32768 \
+    --gap-scale 0.1 --legs pd/P-cache-off,bidir/P-cache-off,adaptive --out "$OUT/coding-agent-32k"
+run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max-prompt-tokens 8192 --gap-scale 0.1 \
+    --legs pd/P-cache-off,bidir/P-cache-off,adaptive --out "$OUT/coding-agent"
+for tokens in 4000 16000 32000; do
+    run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
+done
+run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
+run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
+run demo $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 8192 --out "$OUT/demo"
+run demo-real bash -c "$PY -m kvturn.cli models pull smollm2 && $PY -m kvturn.cli bench --compare --model smollm2 \
+    --scenario real-chat --legs pd/P-cache-off,bidir/P-cache-off --out $OUT/demo-real"
+# Large results stay in the repository compressed (zcat them; kvturn plan --calibration wants them unpacked).
+find "$OUT" -name results.json -size +200k -exec gzip -9f {} \;
