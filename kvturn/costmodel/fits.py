@@ -161,3 +161,37 @@ class Mean:
     @property
     def value(self) -> float:
         return sum(self.values) / len(self.values) if self.values else self.prior
+
+
+def median_ratio(measured: np.ndarray, fitted: np.ndarray) -> float:
+    """The median of measured over fitted where the fit is positive (1 with none): the factor that puts a fit
+    through the median of its samples."""
+    positive = fitted > 0
+    return float(np.median(measured[positive] / fitted[positive])) if positive.any() else 1.0
+
+
+def fit_through_median(x: np.ndarray, ms: np.ndarray, active: list[int] | None = None) -> np.ndarray:
+    """Least relative squares of `ms` on the columns `active` of x (all by default), none negative, scaled so that
+    half the samples ran slower than the fit and half faster: least relative squares come out low when times
+    scatter, and a plan predicts medians."""
+    active = list(range(x.shape[1])) if active is None else active
+    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
+    return coefficients * median_ratio(ms, x @ coefficients)
+
+
+def line_through_medians(samples: list[tuple[int, float]], min_samples: int = MIN_SAMPLES
+                         ) -> tuple[float, float, int]:
+    """(value at 0, what each unit of x adds, the largest x fitted) of a line through the median of y at each x
+    that `min_samples` samples or more share, weighed by the root of their number, none negative. With fewer than
+    two such x, the median of all and a slope of 0."""
+    by_x: dict[int, list[float]] = {}
+    for x, y in samples:
+        by_x.setdefault(x, []).append(y)
+    xs = [x for x in sorted(by_x) if len(by_x[x]) >= min_samples]
+    if len(xs) < 2:
+        return float(np.median([y for _, y in samples])) if samples else 0.0, 0.0, max(xs, default=0)
+    weights = np.sqrt([len(by_x[x]) for x in xs])
+    medians = np.array([np.median(by_x[x]) for x in xs])
+    design = np.array([[1.0, x] for x in xs]) * weights[:, None]
+    at_zero, slope = nonnegative_lstsq(design, medians * weights, [0, 1])
+    return float(at_zero), float(slope), xs[-1]

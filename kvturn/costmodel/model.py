@@ -4,8 +4,15 @@ much of a lease the next prompt shares). The router learns it from its turns; th
 calibration and runs the same code on a simulated clock."""
 from collections import deque
 
-from kvturn.costmodel.fits import (CALIBRATION_WORKERS, MAX_CALIBRATION_STEPS, PRIOR, ComputeFit, Mean, Typical,
-                                   calibration_step)
+from kvturn.costmodel.fits import (
+    CALIBRATION_WORKERS,
+    MAX_CALIBRATION_STEPS,
+    PRIOR,
+    ComputeFit,
+    Mean,
+    Typical,
+    calibration_step,
+)
 from kvturn.costmodel.reports import own_read_ms, shared_steps
 from kvturn.costmodel.tokens import TokenEstimator
 

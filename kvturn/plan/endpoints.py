@@ -15,7 +15,7 @@ import httpx
 
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.plan import step_samples
-from kvturn.plan.fit import MIN_FIT_SAMPLES, CalibrationError, read_rates, step_fits
+from kvturn.plan.calibration import Calibration, CalibrationError, read_rates, step_fits, with_halves
 from kvturn.plan.rows import number_within
 
 TIMEOUT_S = 30.0
@@ -108,8 +108,8 @@ def by_host(replies: list[WorkerReply]) -> list[dict[str, list[step_samples.Step
             for kinds in hosts.values()]
 
 
-def fitted(urls: list[str], secret: str | None, client: httpx.Client | None = None) -> dict:
-    """The fields of a Calibration fitted to the workers at `urls` (at least one prefill and one decode worker that
+def fitted(urls: list[str], secret: str | None, client: httpx.Client | None = None) -> Calibration:
+    """A calibration fitted to the workers at `urls` (at least one prefill and one decode worker that
     have served turns, one of them having read KV from a peer)."""
     own = client is None
     client = client or httpx.Client(timeout=TIMEOUT_S)
@@ -126,15 +126,11 @@ def fitted(urls: list[str], secret: str | None, client: httpx.Client | None = No
     if len(sizes) > 1:
         raise CalibrationError(f"the workers' KV takes {', '.join(f'{s:g}' for s in sorted(sizes))} bytes a token: "
                                "not one model and dtype")
-    d_to_p, p_to_d = _ms_per_mib(replies, "d_to_p"), _ms_per_mib(replies, "p_to_d")
-    if d_to_p is None and p_to_d is None:
-        raise CalibrationError("no worker has read KV from a peer yet: serve some turns through the router first")
-    fits = step_fits(by_host(replies))
-    if fits is None:
-        prompts = sum(1 for r in replies if r.role == "prefill" for s in r.steps if s.prompts)
-        decodes = sum(1 for r in replies if r.role == "decode" for s in r.steps if not s.prompts and s.decodes)
-        raise CalibrationError(f"too few steps in service to fit: the prefill workers kept {prompts} prompt steps, "
-                               f"the decode workers {decodes} decode steps (need {MIN_FIT_SAMPLES} of each)")
-    return {**fits, "read_ms_per_mib": read_rates(d_to_p, p_to_d),
-            "kv_bytes_per_token": sizes.pop(), "other_ms": {}, "other_ms_per_request": {}, "other_load_seen": 0.0,
-            "source": ", ".join(r.url for r in replies), "samples": {"workers": len(replies), **fits["samples"]}}
+    reads = read_rates(_ms_per_mib(replies, "d_to_p"), _ms_per_mib(replies, "p_to_d"))
+    hosts = by_host(replies)
+
+    def fit_half(half: int | None) -> dict:
+        fits = step_fits(hosts, half)
+        return {**fits, "read_ms_per_mib": reads, "kv_bytes_per_token": next(iter(sizes)),
+                "samples": {"workers": len(replies), **fits["samples"]}}
+    return with_halves(fit_half, ", ".join(r.url for r in replies))

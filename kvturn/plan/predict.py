@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvturn.bench.catalog import LEGS, Leg
-from kvturn.plan.calibration import Calibration
-from kvturn.plan.fit import WORKER_KINDS
+from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.trace import Workload
+
+TIMELINE_POINTS = 48  # of retained KV over time in plan.json: each the most of its span
 
 
 @dataclass(slots=True)
@@ -21,51 +22,66 @@ class LegPrediction:
     ttft_p90_ms: float
     later_ttft_p50_ms: float
     session_p50_s: float
-    peak_retained_mib: float  # all decode workers' together
-    peak_retained_mib_per_decode: float  # the decode worker that held the most: what a budget (per worker) caps
+    peak_retained_mib: float  # all decode workers' together, both tiers
+    peak_pool_mib: float
+    peak_host_mib: float
+    peak_retained_mib_per_decode: float  # in the pool of the decode worker that held the most: what a budget caps
     reuse_share: float  # later turns whose history KV came from a decode worker's retention
     turns: int
     events: int
     paths: dict = field(default_factory=dict)
-    reached: dict = field(default_factory=dict)  # fit.SEEN_SHAPES at their most in the simulated steps
+    reached: dict = field(default_factory=dict)  # calibration.SEEN_SHAPES at their most in the simulated steps
+    retained_over_time: list = field(default_factory=list)  # [s, pool MiB, host MiB], all decode workers'
 
     def public(self) -> dict:
         """The leg as plan.json shows it."""
-        return {"ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
-                "later_ttft_p50_ms": self.later_ttft_p50_ms, "session_p50_s": self.session_p50_s,
-                "peak_retained_mib": self.peak_retained_mib,
-                "peak_retained_mib_per_decode": self.peak_retained_mib_per_decode, "reuse_share": self.reuse_share,
-                "paths": self.paths}
+        return {name: getattr(self, name) for name in (
+            "ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
+            "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share", "paths", "retained_over_time")}
 
 
 def _percentile(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else float("nan")
 
 
+def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[float]]:
+    """(s, pool tokens, host tokens) at each change as at most TIMELINE_POINTS [s, pool MiB, host MiB], each the
+    most of its span of time (so that no peak is lost)."""
+    if not points:
+        return []
+    end = points[-1][0] or 1.0
+    spans: dict[int, list[float]] = {}
+    for s, pool, host in points:
+        span = min(int(s / end * TIMELINE_POINTS), TIMELINE_POINTS - 1)
+        most = spans.setdefault(span, [span * end / TIMELINE_POINTS, 0.0, 0.0])
+        most[1], most[2] = max(most[1], pool * mib), max(most[2], host * mib)
+    return list(spans.values())
+
+
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
-
-    def mib(tokens: int) -> float:
-        return tokens * sim.calibration.kv_bytes_per_token / 2**20
+    mib = sim.calibration.kv_bytes_per_token / 2**20
     ttft = [r.ttft_ms for r in sim.results]
     later = [r for r in sim.results if r.turn > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
-    path_counts: dict[str, int] = {}
+    paths: dict[str, int] = {}
     for r in sim.results:
-        path_counts[r.path or "colocated"] = path_counts.get(r.path or "colocated", 0) + 1
+        paths[r.path or "colocated"] = paths.get(r.path or "colocated", 0) + 1
+    over_time = sim.retained_over_time
     return LegPrediction(
         sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
-        _percentile(sessions, 50), mib(sim.peak_retained_tokens), mib(sim.peak_worker_retained_tokens),
+        _percentile(sessions, 50), max((pool + host for _, pool, host in over_time), default=0) * mib,
+        max((pool for _, pool, _ in over_time), default=0) * mib,
+        max((host for *_, host in over_time), default=0) * mib,
+        sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        path_counts, dict(sim.reached))
+        paths, dict(sim.reached), timeline(over_time, mib))
 
 
 # A workload of fewer turns than this is simulated again with other draws of its steps' scatter, up to
 # MAX_REPLICATIONS times (an odd number), and each figure is the median of the simulations': the bench's figures are
 # the median of runs, and a few dozen turns' p50 moves with which of them queued.
 SCATTER_TURNS = 2000
-# `concurrent`'s 48 turns had a p50 of 102-139 ms over seven draws on the dev machine, and the median of seven moved
-# by 7% from one seven to the next; 31 simulations of a few dozen turns take well under a second.
 MAX_REPLICATIONS = 31
 
 
@@ -82,11 +98,11 @@ def median_of(runs: list[LegPrediction]) -> LegPrediction:
     def median(name: str) -> float:
         return float(np.median([getattr(run, name) for run in runs]))
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
-    return LegPrediction(runs[0].leg, median("ttft_p50_ms"), median("ttft_p90_ms"), median("later_ttft_p50_ms"),
-                         median("session_p50_s"), median("peak_retained_mib"),
-                         median("peak_retained_mib_per_decode"), median("reuse_share"), runs[0].turns,
-                         sum(run.events for run in runs), paths,
-                         {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached})
+    return LegPrediction(runs[0].leg, *(median(name) for name in (
+        "ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
+        "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")), runs[0].turns,
+        sum(run.events for run in runs), paths, {shape: max(run.reached[shape] for run in runs) for shape in
+                                                 runs[0].reached}, runs[0].retained_over_time)
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:

@@ -1,5 +1,5 @@
 """A plan in the terminal, as plan.json, PNG plots and one self-contained plan.html: the verdict in words first,
-then the per-leg predictions, the TTL x retention-budget sweep, and what the model leaves out."""
+then the per-leg predictions, the TTL x host-tier sweep, and what the model leaves out."""
 import html
 import json
 from pathlib import Path
@@ -9,10 +9,10 @@ from rich.table import Table
 
 from kvturn.bench.report import html_page, html_table, save_figure
 
-LEG_COLUMNS = ("leg", "TTFT p50 ms", "TTFT p90 ms", "later-turn TTFT p50 ms", "session p50 s", "peak retained MiB",
-               "reuse share", "paths")
-SWEEP_COLUMNS = ("TTL s", "budget MiB per decode worker", "later-turn TTFT p50 ms", "share of the gain", "peak retained MiB",
-                 "reuse share")
+LEG_COLUMNS = ("leg", "TTFT p50 ms (halves' range)", "TTFT p90 ms", "later-turn TTFT p50 ms", "session p50 s",
+               "peak pool MiB", "peak host MiB", "reuse share", "paths")
+SWEEP_COLUMNS = ("TTL s", "host tier MiB per decode worker", "later-turn TTFT p50 ms", "share of the gain",
+                 "peak pool MiB", "peak host MiB", "reuse share")
 
 
 def shown(value, spec: str) -> str:
@@ -20,22 +20,31 @@ def shown(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def with_range(value, low_high, spec: str) -> str:
+    """`value (low-high)`, or the value alone where the range is one number."""
+    low, high = low_high
+    if value is None or None in (low, high) or format(low, spec) == format(high, spec):
+        return shown(value, spec)
+    return f"{value:{spec}} ({low:{spec}}-{high:{spec}})"
+
+
 def leg_rows(plan: dict) -> list[list[str]]:
-    return [[leg, shown(p["ttft_p50_ms"], ".0f"), shown(p["ttft_p90_ms"], ".0f"), shown(p["later_ttft_p50_ms"], ".0f"),
-             shown(p["session_p50_s"], ".1f"), shown(p["peak_retained_mib"], ".1f"), shown(p["reuse_share"], ".0%"),
+    return [[leg, with_range(p["ttft_p50_ms"], p["ttft_p50_ms_range"], ".0f"), shown(p["ttft_p90_ms"], ".0f"),
+             shown(p["later_ttft_p50_ms"], ".0f"), shown(p["session_p50_s"], ".1f"), shown(p["peak_pool_mib"], ".1f"),
+             shown(p["peak_host_mib"], ".1f"), shown(p["reuse_share"], ".0%"),
              ", ".join(f"{k} {v}" for k, v in sorted(p["paths"].items()))] for leg, p in plan["legs"].items()]
 
 
 def sweep_rows(plan: dict) -> list[list[str]]:
-    return [[shown(p["ttl_s"], ".0f"), "none" if p["budget_mib"] is None else f"{p['budget_mib']}",
-             shown(p["later_ttft_p50_ms"], ".0f"), shown(p["gain_share"], ".0%"), shown(p["peak_retained_mib"], ".1f"),
+    return [[shown(p["ttl_s"], ".0f"), f"{p['host_mib']}", shown(p["later_ttft_p50_ms"], ".0f"),
+             shown(p["gain_share"], ".0%"), shown(p["peak_pool_mib"], ".1f"), shown(p["peak_host_mib"], ".1f"),
              shown(p["reuse_share"], ".0%")] for p in plan["sweep"]["points"]]
 
 
 def print_plan(plan: dict, console: Console) -> None:
     console.print(f"[bold]Verdict[/bold]: {plan['verdict']['text']}\n")
     for title, columns, rows in (("Predicted per leg", LEG_COLUMNS, leg_rows(plan)),
-                                 (f"TTL x retention budget ({plan['sweep']['leg']})", SWEEP_COLUMNS,
+                                 (f"TTL x host tier ({plan['sweep']['leg']})", SWEEP_COLUMNS,
                                   sweep_rows(plan))):
         table = Table(title=title)
         for column in columns:
@@ -70,18 +79,18 @@ def plot(plan: dict, out_dir: Path) -> dict[str, Path]:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     points = plan["sweep"]["points"]
-    for budget in dict.fromkeys(p["budget_mib"] for p in points):
-        line = [p for p in points if p["budget_mib"] == budget]
-        ax.plot([_nan(p["peak_retained_mib"]) for p in line], [_nan(p["later_ttft_p50_ms"]) for p in line],
-                marker="o", label=f"budget {'none' if budget is None else f'{budget} MiB per decode worker'}")
+    for host in dict.fromkeys(p["host_mib"] for p in points):
+        line = [p for p in points if p["host_mib"] == host]
+        ax.plot([_nan(p["peak_pool_mib"]) + _nan(p["peak_host_mib"]) for p in line],
+                [_nan(p["reuse_share"]) for p in line], marker="o", label=f"host tier {host} MiB per decode worker")
         for p in line:
-            if None not in (p["ttl_s"], p["peak_retained_mib"], p["later_ttft_p50_ms"]):
-                ax.annotate(f"{p['ttl_s']:.0f} s", (p["peak_retained_mib"], p["later_ttft_p50_ms"]), fontsize=7)
-    ax.set(xlabel="peak retained KV (MiB)", ylabel="later-turn TTFT p50 (ms)",
-           title=f"TTL and retention budget: memory against latency ({plan['sweep']['leg']})")
+            ax.annotate(f"{p['ttl_s']:.0f} s", (_nan(p["peak_pool_mib"]) + _nan(p["peak_host_mib"]),
+                                                _nan(p["reuse_share"])), fontsize=7)
+    ax.set(xlabel="peak retained KV, pool and host (MiB)", ylabel="share of later turns reusing KV",
+           title=f"TTL and host tier: memory against reuse ({plan['sweep']['leg']})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    paths["TTL x budget"] = save_figure(fig, out_dir / "plan_sweep.png")
+    paths["TTL x host tier"] = save_figure(fig, out_dir / "plan_sweep.png")
     return paths
 
 
@@ -93,7 +102,7 @@ def write(plan: dict, out_dir: Path) -> tuple[Path, Path]:
     deployment = [[k, html.escape(str(v))] for k, v in plan["deployment"].items()]
     body = (f"<p class=verdict>{html.escape(plan['verdict']['text'])}</p>"
             f"<h2>Predicted per leg</h2>{html_table(LEG_COLUMNS, leg_rows(plan))}"
-            f"<h2>TTL x retention budget ({html.escape(plan['sweep']['leg'])})</h2>"
+            f"<h2>TTL x host tier ({html.escape(plan['sweep']['leg'])})</h2>"
             f"{html_table(SWEEP_COLUMNS, sweep_rows(plan))}"
             f"<h2>Deployment</h2>{html_table(('setting', 'value'), deployment)}"
             f"<h2>Left out of the model</h2><ul>{''.join(f'<li>{html.escape(x)}</li>' for x in plan['left_out'])}</ul>")

@@ -8,15 +8,15 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
+from kvturn import costmodel
 from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
-from kvturn.plan.calibration import Calibration
-from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
+from kvturn.costmodel.fits import MIN_SAMPLES, ComputeFit, Typical
+from kvturn.kv_transfer.params import HOST, POOL
+from kvturn.plan.calibration import SEEN_SHAPES, WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
-from kvturn.plan.trace import Session, TurnDemand, Workload, resend_answers, reusable
-from kvturn import costmodel
-from kvturn.costmodel.fits import MIN_SAMPLES, ComputeFit, Typical
+from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -28,6 +28,7 @@ class Deployment:
     kv_cache_mb: int = default_of(EngineConfig, "kv_cache_mb")
     decoder_kv_blocks_ttl_s: float = default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s")
     retained_kv_budget_mb: int | None = default_of(ConnectorConfig, "retained_kv_budget_mb")
+    retained_host_mb: int | None = default_of(ConnectorConfig, "retained_host_mb")
     kv_recompute_threshold_tokens: int = default_of(ConnectorConfig, "kv_recompute_threshold_tokens")
     kv_expiry_margin_s: float = default_of(ConnectorConfig, "kv_expiry_margin_s")
     conversation_ttl_s: float = default_of(RouterConfig, "conversation_ttl_s")
@@ -156,8 +157,6 @@ class RouterPool:
 class Simulation:
     def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
                  seed: int = 0):
-        # the prompts as the calibration's model resends its answers (a trace's, or a workload already so, as given)
-        workload = resend_answers(workload, calibration.resent_answer_ratio)
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
@@ -181,9 +180,9 @@ class Simulation:
         self.pool_tokens = pool_tokens
         self.prefill_cache = [PrefixCache(pool_tokens) for _ in self.prefill] if leg.prefix_caching_on_prefill else []
         self.decode_cache = [PrefixCache(pool_tokens) for _ in self.decode]
-        budget = (int(d.retained_kv_budget_mb * 2**20 / calibration.kv_bytes_per_token)
-                  if d.retained_kv_budget_mb is not None else None)
-        self.leases = [Leases(budget, self._retained_changed) for _ in self.decode]
+        budget = self._tokens_in(d.retained_kv_budget_mb) if d.retained_kv_budget_mb is not None else None
+        host = self._tokens_in(d.retained_host_mb or 0)
+        self.leases = [Leases(budget, host, self._retained_changed) for _ in self.decode]
         # Every lease made, with its decode worker: one TTL for all, so they end in the order they were made
         self.lease_ends: deque[tuple[Lease, int]] = deque()
         self.table: dict[str, Entry] = {}
@@ -191,8 +190,8 @@ class Simulation:
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
         self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
-        self.retained_tokens = 0
-        self.peak_retained_tokens = 0  # over all decode workers together
+        self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
+        self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
         self.peak_worker_retained_tokens = 0  # on the decode worker that held the most (a budget is per worker)
         self.results: list[TurnResult] = []
         self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
@@ -205,22 +204,16 @@ class Simulation:
         return self.shared_cores and any(worker.busy for worker in (self.decode if loop.kind == "prefill"
                                                                     else self.prefill))
 
-    def contention(self, loop: StepLoop) -> tuple[float, float]:
-        """(factor on prompt compute, ms added to a decode step) for a worker whose other role is busy."""
-        if not self.other_role_busy(loop):
-            return 1.0, 0.0
-        return 1.0 + self.calibration.contention["prefill_slowdown"], self.calibration.contention["decode_step_ms"]
+    def contention_ms(self, loop: StepLoop) -> float:
+        """What a decode step of `loop` gains while the other role computes on the same cores."""
+        return self.calibration.decode_contention_ms if self.other_role_busy(loop) else 0.0
 
-    def prompt_step_ms(self, loop: StepLoop, compute_ms: float, after_idle: bool) -> float:
-        """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: started after idling or
-        back to back, with the other role busy on the same cores or not, scattered as the calibration's steps of
-        that kind of worker (a factor drawn from its quantiles)."""
+    def prompt_step_ms(self, loop: StepLoop, compute_ms: float) -> float:
+        """A prompt step whose compute the fit puts at `compute_ms`, scattered as the calibration's steps of that
+        kind of worker were (a factor drawn from its quantiles: steps of fixed times would keep closed-loop sessions
+        in lockstep, which a real machine's scatter breaks up into queues)."""
         scatter = self._scatter[loop.kind]
-        if scatter:
-            compute_ms *= self._draw(scatter)
-        if after_idle:
-            return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
-        return compute_ms * self.contention(loop)[0]
+        return compute_ms * self._draw(scatter) if scatter else compute_ms
 
     def reach_prompts(self, chunks: list) -> None:
         """A prompt step computes (job, new tokens) `chunks`."""
@@ -229,11 +222,11 @@ class Simulation:
             reached["prompt_tokens"] = max(reached["prompt_tokens"], n)
             reached["prompt_context"] = max(reached["prompt_context"], job.context + n)
 
-    def reach_decode(self, batch: int, context: int, longest: int) -> None:
-        """A step decodes `batch` requests attending to `context` tokens in all, `longest` the most of them."""
+    def reach_decode(self, batch: int, longest: int) -> None:
+        """A step decodes `batch` requests, the longest context `longest`."""
         reached = self.reached
         reached["decode_batch"] = max(reached["decode_batch"], batch)
-        reached["decode_attended"] = max(reached["decode_attended"], self.calibration.attended(batch, context, longest))
+        reached["decode_attended"] = max(reached["decode_attended"], batch * longest)
 
     # ---- the event loop
     def at(self, time_s: float, action, *args) -> None:
@@ -269,7 +262,7 @@ class Simulation:
         result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        shareable = reusable(previous, turn, self.calibration.answer_share)
+        shareable = reusable(previous, turn)
         flight = Flight(state, turn, result, self._blocks(shareable))
         if arrival_s <= self.now:
             self._arrive(flight)
@@ -428,7 +421,6 @@ class Simulation:
         if lease is not None:
             self.lease_ends.append((lease, decode))
         self._expire_leases()
-        self.peak_retained_tokens = max(self.peak_retained_tokens, self.retained_tokens)  # after any reclaim
         self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
@@ -443,5 +435,14 @@ class Simulation:
             if lease.alive:  # else superseded, reclaimed or expired already
                 self.leases[decode].drop(lease.conversation)
 
-    def _retained_changed(self, tokens: int) -> None:
-        self.retained_tokens += tokens
+    def _tokens_in(self, mib: int) -> int:
+        return int(mib * 2**20 / self.calibration.kv_bytes_per_token)
+
+    def _retained_changed(self, tier: str, tokens: int) -> None:
+        """Each instant's retained KV once every change made then is in (a lease moved as soon as it is made is
+        never counted in the pool)."""
+        retained, timeline = self.retained_tokens, self.retained_over_time
+        retained[tier] += tokens
+        if timeline and timeline[-1][0] == self.now:
+            timeline.pop()
+        timeline.append((self.now, retained[POOL], retained[HOST]))

@@ -9,8 +9,8 @@ and a fit to a short calibration run's steps put the prompt steps of agent-loop 
 the slowdown beside the other role and the cost of starting idle are in them, on average, as the run saw them."""
 from dataclasses import dataclass
 
-from kvturn.plan.rows import busy_share, number_within
 from kvturn.costmodel.fits import plausible_step_ms
+from kvturn.plan.rows import busy_share, number_within
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
 MAX_TOKENS = 2**24  # of a context, or of a step
@@ -80,17 +80,33 @@ class StepSamples:
     def count(self) -> int:
         return sum(map(len, self.prompts.values())) + sum(map(len, self.decodes.values()))
 
+    def seen(self) -> dict[str, float]:
+        """calibration.SEEN_SHAPES at their most, of those some step had."""
+        chunks = [chunk for steps in self.prompts.values() for step in steps for chunk in step.prompts]
+        batches = [(step.decodes, step.decode_longest) for steps in self.prompts.values() for step in steps]
+        batches += [(batch, longest) for decodes in self.decodes.values() for batch, longest, _, _ in decodes]
+        seen = {"prompt_tokens": max((n for n, _ in chunks), default=0),
+                "prompt_context": max((n + context for n, context in chunks), default=0),
+                "decode_batch": max((batch for batch, _ in batches), default=0),
+                "decode_attended": max((batch * longest for batch, longest in batches), default=0)}
+        return {shape: float(most) for shape, most in seen.items() if most >= 1}
 
-def collect(legs: list[dict[str, list[Step]]]) -> StepSamples:
+
+def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> StepSamples:
+    """The legs' steps by kind; `half` (0 or 1): every other step of each worker's, from that one on."""
     prompts: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     decodes: dict[str, list] = {"decode": [], "colocated": []}
     for steps in legs:
         prefilling = [step.interval for step in steps.get("prefill", [])]
         for kind, kind_steps in steps.items():
+            own_prompts, own_decodes = [], []
             for step in kind_steps:
                 if step.prompts:
-                    prompts[kind].append(step)
+                    own_prompts.append(step)
                 elif kind in decodes:
                     busy = busy_share(step.interval, prefilling) if kind == "decode" else 0.0
-                    decodes[kind].append((step.decodes, step.decode_longest, busy, step.ms))
+                    own_decodes.append((step.decodes, step.decode_longest, busy, step.ms))
+            prompts[kind] += own_prompts if half is None else own_prompts[half::2]
+            if kind in decodes:
+                decodes[kind] += own_decodes if half is None else own_decodes[half::2]
     return StepSamples(prompts, decodes)

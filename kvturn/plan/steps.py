@@ -40,7 +40,6 @@ class Segment:
     start_s: float
     count: int
     batch: int
-    context: int
     longest: int
     version: int
 
@@ -102,7 +101,7 @@ class StepLoop:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
             self.busy = True
-            self._step(after_idle=True)
+            self._step()
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 
@@ -111,19 +110,15 @@ class StepLoop:
         """The longest context a decoding request attends to now."""
         return self.longest_base + self.steps if self.decoding else 0
 
-    def _segment_ms(self, count: int, batch: int, context: int, longest: int) -> float:
+    def _segment_ms(self, count: int, batch: int, longest: int) -> float:
         """`count` decode steps of `batch` requests; each request's context grows by a token a step."""
-        ms = self.sim.calibration.decode_steps_ms(self.kind, count, batch, context, longest)
-        return ms + self._contention_ms(count)
+        calibration = self.sim.calibration
+        return calibration.decode_steps_ms(self.kind, count, batch, longest) + count * self.sim.contention_ms(self)
 
     def _decodes_beside_prompts_ms(self, batch: int) -> float:
         """What the running decodes add to a step that computes prompts."""
-        ms = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.context, self.longest)
-        return ms + self._contention_ms(1) if ms else 0.0
-
-    def _contention_ms(self, steps: int) -> float:
-        """What `steps` decode steps gain beside the other role on the same cores."""
-        return steps * self.sim.contention(self)[1] if self.sim.shared_cores else 0.0
+        ms = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.longest)
+        return ms + self.sim.contention_ms(self) if ms else 0.0
 
     def _cut_segment(self) -> None:
         seg = self.segment
@@ -131,7 +126,7 @@ class StepLoop:
         low, high = 1, seg.count  # the first step count whose end is not before now
         while low < high:
             mid = (low + high) // 2
-            if self._segment_ms(mid, seg.batch, seg.context, seg.longest) < elapsed_ms:
+            if self._segment_ms(mid, seg.batch, seg.longest) < elapsed_ms:
                 low = mid + 1
             else:
                 high = mid
@@ -139,11 +134,10 @@ class StepLoop:
             self._versions += 1
             seg.count, seg.version = low, self._versions
             self.steps_in_flight = low
-            end = seg.start_s + self._segment_ms(low, seg.batch, seg.context, seg.longest) / 1e3
+            end = seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3
             self.sim.at(end, self._end_segment, seg.version)
 
-    def _step(self, after_idle: bool = False) -> None:
-        """The next step; `after_idle`: the first since the worker was idle (Calibration.after_idle_ms)."""
+    def _step(self) -> None:
         now = self.sim.now
         batch = len(self.decoding)
         while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
@@ -152,10 +146,10 @@ class StepLoop:
             count = self.decoding[0][0] - self.steps
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
             longest = self.longest
-            self.segment = Segment(now, count, batch, self.context, longest, self._versions)
-            self.sim.reach_decode(batch, self.context + batch * (count - 1), longest + count - 1)  # its last step
+            self.segment = Segment(now, count, batch, longest, self._versions)
+            self.sim.reach_decode(batch, longest + count - 1)  # its last step
             self.steps_in_flight = count
-            self.sim.at(now + self._segment_ms(count, batch, self.context, longest) / 1e3, self._end_segment,
+            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment,
                         self._versions)
             return
         if not self.prefilling:
@@ -166,8 +160,8 @@ class StepLoop:
         compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
         self.sim.reach_prompts(chunks)
         if batch:
-            self.sim.reach_decode(batch, self.context, self.longest)
-        ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
+            self.sim.reach_decode(batch, self.longest)
+        ms += self.sim.prompt_step_ms(self, compute_ms)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 

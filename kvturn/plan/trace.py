@@ -13,24 +13,24 @@ prompt and answer as generated; without it `continues` infers it from the length
 """
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvturn.bench import catalog, workload as bench_workload
+from kvturn.bench import catalog
+from kvturn.bench import workload as bench_workload
 from kvturn.model.tokenizer import ChatTokenizer
-from kvturn.plan.rows import MAX_TOKENS, number_within
+from kvturn.plan.rows import number_within
 
 TRACE_FIELDS = ("timestamp", "conversation_id", "prompt_tokens", "output_tokens")
 MAX_TIMESTAMP_S = 1e11  # a finite time in seconds, epoch or relative (year 5138)
+MAX_TOKENS = 2**24  # of a prompt or an answer
 
 
 @dataclass(frozen=True, slots=True)
 class TurnDemand:
     prompt_tokens: int
     output_tokens: int
-    # leading tokens of this prompt equal to the previous turn's prompt + answer; with answers resent shorter than
-    # generated (resend_answers), the previous prompt + answer as generated, which this prompt continues
-    shared_tokens: int
+    shared_tokens: int  # leading tokens of this prompt equal to the previous turn's prompt + answer
     think_s: float = 0.0  # from the end of the previous turn to the start of this one
 
 
@@ -46,9 +46,6 @@ class Workload:
     name: str
     sessions: list[Session]
     clients: int | None = None  # sessions replayed at once, each after the last (None: by the sessions' start_s)
-    # Every prompt counts the answers before it at the tokens they were generated as (conversations, whose answers
-    # are not known yet), not at what their text came to when resent (a trace counts what was sent)
-    answers_as_generated: bool = False
 
     @property
     def num_turns(self) -> int:
@@ -71,43 +68,10 @@ def continues(previous: TurnDemand, prompt_tokens: int) -> int:
     return previous.prompt_tokens if prompt_tokens >= previous.prompt_tokens else 0
 
 
-def shares_history(previous: TurnDemand | None, turn: TurnDemand) -> bool:
-    """Whether `turn` shares all of the previous turn's prompt and answer (as `continues` found it extend them)."""
-    return previous is not None and turn.shared_tokens == previous.prompt_tokens + previous.output_tokens
-
-
-def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
-    """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
-    of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
-    Calibration.answer_share), and never its last token. A prompt that does not continue the previous prompt and
-    answer keeps its own."""
-    shareable = turn.shared_tokens
-    if shares_history(previous, turn):
-        shareable = previous.prompt_tokens + int(answer_share * previous.output_tokens)
-    return min(shareable, turn.prompt_tokens - 1)
-
-
-def resend_answers(workload: Workload, ratio: float | None) -> Workload:
-    """`workload` with each answer resent at `ratio` of the tokens generated (Calibration.resent_answer_ratio): a
-    model's answer is sent back as text, which its tokenizer need not make into as many tokens again (the embedded
-    random-weight model's come to about two thirds). Every later prompt of the session is shorter by what the
-    answers before it lost; a turn that continued the previous prompt and answer still does, at the previous
-    answer's generated length (the KV its decode worker holds), which may now reach past its own prompt. A
-    trace, or no ratio measured, is kept as it is."""
-    if ratio is None or not workload.answers_as_generated:
-        return workload
-    sessions = []
-    for session in workload.sessions:
-        turns: list[TurnDemand] = []
-        answered = 0  # tokens generated before the turn; they come back as round(ratio x answered), not each alone
-        for before, turn in zip([None, *session.turns], session.turns):
-            prompt = max(turn.prompt_tokens - (answered - round(ratio * answered)), 1)
-            shared = turns[-1].prompt_tokens + before.output_tokens if shares_history(before, turn) else \
-                min(turn.shared_tokens, prompt)
-            turns.append(replace(turn, prompt_tokens=prompt, shared_tokens=shared))
-            answered += turn.output_tokens
-        sessions.append(replace(session, turns=turns))
-    return replace(workload, sessions=sessions, answers_as_generated=False)
+def reusable(previous: TurnDemand | None, turn: TurnDemand) -> int:
+    """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, never its
+    last token (computed for its logits)."""
+    return min(turn.shared_tokens, turn.prompt_tokens - 1) if previous is not None else 0
 
 
 def from_conversations(name: str, conversations: list, tokenizer, clients: int) -> Workload:
@@ -127,7 +91,7 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
             messages.append({"role": "assistant", "content": ""})
             answered += turn.answer_tokens
         sessions.append(Session(conv.conversation_id, turns))
-    return Workload(name, sessions, clients, answers_as_generated=True)
+    return Workload(name, sessions, clients)
 
 
 def _trace_record(line: str, where: str) -> dict:
