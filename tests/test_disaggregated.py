@@ -212,11 +212,11 @@ def test_kvturn_plan_calibrates_from_the_running_workers_urls(stacks, tmp_path):
     assert model.kv_bytes_per_token == BLOCK_BYTES / 16
     assert model.read_ms_per_mib["d_to_p"] > 0 and model.read_ms_per_mib["p_to_d"] > 0
     assert model.prefill_ms(512, 0) > model.prefill_ms(64, 0) > 0
-    assert model.decode_steps_ms("decode", 1, 1, 600, 600) > 0 and model.seen["decode_batch"] >= 1
+    assert model.decode_steps_ms("decode", 1, 1, 600) > 0 and model.seen["decode_batch"] >= 1
     assert model.other_ms == {} and model.source == ", ".join(urls)
     out, saved = tmp_path / "plan", tmp_path / "from-workers.json"
     args = ["plan", "--scenario", "sweep", "--turns", "2", "--max-prompt-tokens", "1024", "--legs",
-            "pd/P-cache-off,bidir/P-cache-off", "--ttls", "60", "--budgets", "", "--out", str(out),
+            "pd/P-cache-off,bidir/P-cache-off", "--ttls", "60", "--host-budgets", "", "--out", str(out),
             "--save-calibration", str(saved), *(arg for url in urls for arg in ("--calibration", url))]
     run = CliRunner().invoke(app, args, env={"KVTURN_CLUSTER_SECRET": stack.cluster_secret})
     assert run.exit_code == 0, run.output

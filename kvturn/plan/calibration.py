@@ -5,14 +5,14 @@ The compute and decode step costs come from the forward steps every worker ran i
 prompt steps against the router's `ComputeFit` terms, decode steps against batch and padded context. The run's
 requests give the rest: KV bytes per token, NIXL read time per MiB each way, and per leg the time to first token
 that is neither compute, transfer nor a queue. Each fit is of least relative squares put through the median of its
-samples. The same fit of each half of the samples (every other step and request) is kept beside it, so that a plan
-can say how far its figures move with the samples it was fitted to. Saved as a small versioned JSON."""
+samples. The same fit of each half of the samples (drawn at random) is kept beside it, so that a plan can say how
+far its figures move with the samples it was fitted to. Saved as a small versioned JSON."""
 import json
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, ValidationError, field_validator
 
 from kvturn.costmodel.fits import ComputeFit, fit_through_median, line_through_medians, median_ratio
 from kvturn.plan import step_samples
@@ -56,6 +56,13 @@ class Calibration(BaseModel):
     halves: list["Calibration"] = Field(default=[], max_length=2)  # fitted to each half of the samples
     source: str = ""
     samples: dict[str, int] = {}
+
+    @field_validator("compute_fits")
+    @classmethod
+    def _has_prefill(cls, fits: dict) -> dict:
+        if "prefill" not in fits:
+            raise ValueError("needs the prefill worker's fit, which a kind not measured takes")
+        return fits
 
     def fit_for(self, worker: str) -> ComputeTerms:
         return self.compute_fits.get(worker) or self.compute_fits["prefill"]
@@ -178,9 +185,8 @@ def request_fields(runs: list[dict], half: int | None = None) -> dict:
             by_leg.setdefault(row.leg, []).append(row)
         for leg, rows in by_leg.items():  # each run's legs keep their own clock
             samples = [(in_flight(r, rows), r.other_ms) for r in rows]
-            legs.setdefault(leg, []).extend(samples if half is None else samples[half::2])
-    rows = [row for run in runs for row in rows_of(run)]
-    rows = rows if half is None else rows[half::2]
+            legs.setdefault(leg, []).extend(step_samples.half_of(samples, half))
+    rows = step_samples.half_of([row for run in runs for row in rows_of(run)], half)
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
     if not per_token:
         raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional transfer "
@@ -251,7 +257,8 @@ def load(path: Path) -> Calibration:
     try:
         return Calibration.model_validate({k: v for k, v in data.items() if k != "kind"})
     except ValidationError as exc:
-        raise CalibrationError(f"{path}: malformed calibration: {exc}") from None
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise CalibrationError(f"{path}: malformed calibration: {errors}") from None
 
 
 def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration:

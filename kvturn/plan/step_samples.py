@@ -7,6 +7,7 @@ the time of the same shapes timed at a worker's start-up (alone, back to back, o
 and a fit to a short calibration run's steps put the prompt steps of agent-loop runs made minutes later within
 7% at the median, while D was decoding eight sessions beside them. So the fits come from these steps alone, and
 the slowdown beside the other role and the cost of starting idle are in them, on average, as the run saw them."""
+import random
 from dataclasses import dataclass
 
 from kvturn.costmodel.fits import plausible_step_ms
@@ -92,21 +93,27 @@ class StepSamples:
         return {shape: float(most) for shape, most in seen.items() if most >= 1}
 
 
+def half_of(items: list, half: int | None) -> list:
+    """All of `items`, or one half of them (0 or 1) drawn at random, the same draw every time: steps in time order
+    often repeat a few shapes in turn, which every other step would split unevenly."""
+    if half is None:
+        return items
+    first = set(random.Random(len(items)).sample(range(len(items)), len(items) // 2))
+    return [item for i, item in enumerate(items) if (i in first) == (half == 0)]
+
+
 def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> StepSamples:
-    """The legs' steps by kind; `half` (0 or 1): every other step of each worker's, from that one on."""
+    """The legs' steps by kind, or one half of each kind's (`half_of`)."""
     prompts: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     decodes: dict[str, list] = {"decode": [], "colocated": []}
     for steps in legs:
         prefilling = [step.interval for step in steps.get("prefill", [])]
         for kind, kind_steps in steps.items():
-            own_prompts, own_decodes = [], []
             for step in kind_steps:
                 if step.prompts:
-                    own_prompts.append(step)
+                    prompts[kind].append(step)
                 elif kind in decodes:
                     busy = busy_share(step.interval, prefilling) if kind == "decode" else 0.0
-                    own_decodes.append((step.decodes, step.decode_longest, busy, step.ms))
-            prompts[kind] += own_prompts if half is None else own_prompts[half::2]
-            if kind in decodes:
-                decodes[kind] += own_decodes if half is None else own_decodes[half::2]
-    return StepSamples(prompts, decodes)
+                    decodes[kind].append((step.decodes, step.decode_longest, busy, step.ms))
+    return StepSamples({kind: half_of(steps, half) for kind, steps in prompts.items()},
+                       {kind: half_of(steps, half) for kind, steps in decodes.items()})
