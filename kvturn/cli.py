@@ -408,14 +408,10 @@ def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
                                                                           "JSONL trace (kvturn router --trace-out)"),
     scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
-    calibration_files: list[str] = typer.Option(..., "--calibration", metavar="FILE|URL",
-                                                help="a kvturn bench --compare results JSON from this hardware "
-                                                "(fitted to its workers' steps in service), or a saved "
-                                                "--save-calibration; give it again to pool several bench runs. Or "
-                                                "running workers' URLs (a prefill and a decode worker at least)"),
-    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET",
-                                                 help="the cluster's secret, for workers given by URL to tell their "
-                                                      "steps in service"),
+    calibration_files: list[Path] = typer.Option(..., "--calibration", metavar="FILE",
+                                                 help="a kvturn bench --compare results JSON from this hardware "
+                                                 "(fitted to its workers' steps in service), or a saved "
+                                                 "--save-calibration; give it again to pool several bench runs"),
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
@@ -481,7 +477,7 @@ def plan(
         raise typer.BadParameter(f"--ttls and --decoder-kv-blocks-ttl-s must be finite and above the lease expiry "
                                  f"margin ({connector.kv_expiry_margin_s:g} s), or no retained KV is ever read")
     try:
-        cost_model = calibration.load_many(calibration_files, cluster_secret or None)
+        cost_model = calibration.load_many(calibration_files)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)

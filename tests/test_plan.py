@@ -5,7 +5,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from chat import conversation
@@ -13,9 +12,8 @@ from typer.testing import CliRunner
 
 from kvturn.bench.catalog import LEGS
 from kvturn.cli import app
-from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.launch import LocalStack
-from kvturn.plan import calibration, endpoints, planner, report, trace
+from kvturn.plan import calibration, planner, report, trace
 from kvturn.plan.predict import simulate
 from kvturn.plan.retention import Leases
 from kvturn.plan.sim import Deployment, RouterPool, Simulation
@@ -123,10 +121,10 @@ def test_a_trace_prompt_shorter_than_the_history_shares_the_previous_prompt_or_w
 
 @pytest.mark.parametrize("line, message", [
     ("not json", "not JSON"),
-    ('["a list"]', "expected an object"),
-    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 10}', "'output_tokens' missing"),
+    ('["a list"]', "a valid dictionary"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 10}', "'output_tokens' Field required"),
     ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": true, "output_tokens": 3}', "'prompt_tokens'"),
-    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 0, "output_tokens": 3}', "at least 1"),
+    ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 0, "output_tokens": 3}', "greater than or equal to 1"),
     ('{"timestamp": 5, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "finished": 2}', "finished"),
     ('{"timestamp": 0, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "finished": true}', "finished"),
     ('{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3, "shared_tokens": 10}',
@@ -175,10 +173,6 @@ JUNK_STEPS = ["junk", [1.0, 2.0], {"start_s": 1.0}, served_step(float("nan"), 5.
 def test_a_step_in_service_that_is_not_a_plausible_one_is_left_out():
     assert [parse_step(raw) for raw in JUNK_STEPS] == [None] * len(JUNK_STEPS)
     assert parse_step(served_step(1.0, 5.0, [[10, 0]], 2, 150, 100)) == Step(1.0, 5.0, ((10, 0),), 2, 150, 100)
-
-
-SECRET = "s" * 32
-P_URL, D_URL = "http://p.example:8100", "http://d.example:8200"
 
 
 def said(result) -> str:
@@ -311,109 +305,6 @@ def test_the_plan_says_the_range_its_figures_move_in_over_the_calibrations_halve
     assert low <= value <= high and f"{value:.2f}x ({low:.2f}-{high:.2f}x" in unsure["verdict"]["text"]
     row = report.leg_rows(unsure)[0]
     assert "(" in row[1] and "-" in row[1]  # printed as value (low-high)
-
-
-def running_workers(mib_read: tuple[float, float] = (10, 5), read_s: tuple[float, float] = (0.02, 0.05)) -> dict:
-    """What `kvturn plan --calibration URL` reads of a P and a D worker that served turns: url -> {path: reply}.
-    P's steps as the fixture's bench legs keep them (PROMPT_FIT), D's decode steps at DECODE_STEP; P read
-    `mib_read[0]` MiB from D in `read_s[0]` s, D the others from P."""
-    def about(role: str, index: int) -> dict:
-        return {"role": role, "prefill_steps": [], "kv_bytes_per_token": 4096.0,
-                "kv_reads": {"reads": 3, "bytes": int(mib_read[index] * 2**20), "seconds": read_s[index]}}
-    return {P_URL: {"/kv/calibration": about("prefill", 0),
-                    "/kv/steps": {"role": "prefill", "steps": worker_steps(1.0, DECODE_STEP, 1000.0, True, False)[:8],
-                                  "dropped": False}},
-            D_URL: {"/kv/calibration": about("decode", 1),
-                    "/kv/steps": {"role": "decode", "steps": worker_steps(0.8, DECODE_STEP, 2000.0, False, True)
-                                  + JUNK_STEPS, "dropped": False}}}
-
-
-def serving(workers: dict) -> httpx.Client:
-    """A client whose requests the `workers` answer (in-process, as peers: a reply may be anything); /kv/steps only
-    to a caller with SECRET."""
-    def answer(request: httpx.Request) -> httpx.Response:
-        reply = workers.get(f"http://{request.url.host}:{request.url.port}", {}).get(request.url.path)
-        if isinstance(reply, Exception):
-            raise reply
-        if reply is None:
-            return httpx.Response(404, json={"error": {"message": "Not Found"}})
-        if request.url.path == "/kv/steps" and request.headers.get(SECRET_HEADER) != SECRET:
-            return httpx.Response(403, json={"error": {"message": "wrong or missing cluster secret"}})
-        return httpx.Response(200, content=reply if isinstance(reply, bytes) else json.dumps(reply).encode())
-    return httpx.Client(transport=httpx.MockTransport(answer))
-
-
-
-def test_running_workers_calibrate_from_their_steps_in_service_and_reads(cost_model, tmp_path):
-    model = endpoints.fitted([P_URL, D_URL + "/", P_URL], SECRET, serving(running_workers()))
-    for n, context in ((4000, 0), (300, 4400), (60, 900)):
-        assert model.prefill_ms(n, context) == pytest.approx(prompt_ms(n, context), rel=1e-3)
-    assert model.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3)
-    # P's reads are D's KV read back (10 MiB in 20 ms), D's are P's prompts (5 MiB in 50 ms).
-    assert model.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 10.0})
-    assert model.kv_bytes_per_token == 4096.0 and model.source == f"{P_URL}, {D_URL}" and len(model.halves) == 2
-    # No worker measures the router's, HTTP's and tokenizing's time: none is added, and the verdict says so.
-    leg = "bidir/P-cache-off"
-    assert model.other_ms == {} and model.other(leg, 3) == 0.0
-    plan = planner.plan(agent_sessions(2, 3), model, Deployment(), [leg], "pull", False, [60.0], ())
-    assert planner.OTHER_UNMEASURED in plan["verdict"]["text"] and planner.OTHER_UNMEASURED in plan["left_out"]
-    # Reads one way only stand for both; of P's 20 ms reading 10 MiB, 15 ms were its own steps for other prompts.
-    one_way = endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((10, 0))))
-    assert one_way.read_ms_per_mib == pytest.approx({"d_to_p": 2.0, "p_to_d": 2.0})
-    stepped = running_workers()
-    stepped[P_URL]["/kv/calibration"]["kv_reads"]["step_seconds"] = 0.015
-    read_alone = endpoints.fitted([P_URL, D_URL], SECRET, serving(stepped))
-    assert read_alone.read_ms_per_mib == pytest.approx({"d_to_p": 0.5, "p_to_d": 10.0})
-    assert calibration.load(read_alone.save(tmp_path / "workers.json")) == read_alone
-
-
-def _set(path: tuple, value):
-    def change(workers: dict) -> None:
-        *keys, last = path
-        target = workers
-        for key in keys:
-            target = target[key]
-        target[last] = value
-    return change
-
-
-@pytest.mark.parametrize("change, urls, secret, message", [
-    (None, [P_URL, D_URL], None, "is for cluster members: give the cluster's secret"),
-    (None, [P_URL], SECRET, "give a prefill and a decode worker's URL"),
-    (None, [P_URL, "http://router.example:8000"], SECRET, "not a kvturn worker (GET /kv/calibration answered 404)"),
-    (_set((P_URL, "/kv/calibration"), [1, 2]), [P_URL, D_URL], SECRET, "something other than a JSON object"),
-    (_set((P_URL, "/kv/calibration"), b"{oops"), [P_URL, D_URL], SECRET, "something other than a JSON object"),
-    (_set((P_URL, "/kv/calibration", "role"), "admin"), [P_URL, D_URL], SECRET, "names no worker role"),
-    (_set((D_URL, "/kv/calibration"), b'{"role": "decode", "kv_bytes_per_token": NaN, "kv_reads": {}}'),
-     [P_URL, D_URL], SECRET, "says no KV bytes per token"),
-    (_set((D_URL, "/kv/calibration", "kv_reads", "bytes"), -1), [P_URL, D_URL], SECRET, "whole bytes and seconds"),
-    (_set((D_URL, "/kv/calibration", "kv_reads", "seconds"), "fast"), [P_URL, D_URL], SECRET, "whole bytes"),
-    (_set((P_URL, "/kv/calibration", "kv_reads", "step_seconds"), 0.5), [P_URL, D_URL], SECRET,
-     "step_seconds must be a number from 0 to its seconds"),
-    (_set((P_URL, "/kv/calibration", "kv_reads", "step_seconds"), float("nan")), [P_URL, D_URL], SECRET,
-     "step_seconds must"),
-    (_set((D_URL, "/kv/calibration", "kv_bytes_per_token"), 8192.0), [P_URL, D_URL], SECRET, "not one model"),
-    (_set((P_URL, "/kv/steps", "role"), "decode"), [P_URL, D_URL], SECRET, "answered no steps of its prefill"),
-    (_set((D_URL, "/kv/steps", "steps"), JUNK_STEPS), [P_URL, D_URL], SECRET, "0 decode steps of decode workers"),
-    (_set((D_URL, "/kv/steps"), httpx.ConnectError("refused")), [P_URL, D_URL], SECRET, "cannot reach the worker"),
-])
-def test_a_worker_url_that_answers_wrong_is_refused_naming_it(change, urls, secret, message):
-    workers = running_workers()
-    if change:
-        change(workers)
-    with pytest.raises(calibration.CalibrationError) as raised:
-        endpoints.fitted(urls, secret, serving(workers))
-    assert message in str(raised.value)
-
-
-def test_workers_that_read_nothing_yet_or_answer_too_much_are_refused(monkeypatch):
-    with pytest.raises(calibration.CalibrationError, match="no KV was read between workers"):
-        endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers((0, 0))))
-    monkeypatch.setattr(endpoints, "MAX_REPLY_BYTES", 1000)
-    with pytest.raises(calibration.CalibrationError, match=f"{P_URL}: GET /kv/steps answered more than 1,000 bytes"):
-        endpoints.fitted([P_URL, D_URL], SECRET, serving(running_workers()))
-    with pytest.raises(calibration.CalibrationError, match="not both"):
-        calibration.load_many([FIXTURE, P_URL])
 
 
 def prefill_with(cost_model, jobs: dict[str, tuple[int, int, float]]):
@@ -654,7 +545,7 @@ def test_the_plan_command_refuses_bad_files_with_a_usage_error(tmp_path):
     ("huge.jsonl", '{"timestamp": 1e999, "conversation_id": "a", "prompt_tokens": 9, "output_tokens": 3}',
      "huge.jsonl:1: 'timestamp'"),
     ("long.jsonl", '{"timestamp": 1, "conversation_id": "a", "prompt_tokens": 1000000000000000, "output_tokens": 3}',
-     "at most"),
+     "less than or equal to"),
     ("binary.jsonl", b"\xff\xfe\x00", "cannot read the trace"),
     ("strings.json", '[{"messages": ["hi"]}]', "each message must be"),
     ("empty.json", "[]", "the number of conversations must be"),
@@ -686,7 +577,6 @@ def test_the_plan_command_refuses_a_hostile_workload_file_naming_it(tmp_path, mo
     (["--decoder-kv-blocks-ttl-s", "inf"], "must be finite and above the lease expiry margin"),
     (["--ttls", "nan,60"], "must be finite and above the lease expiry margin"),
     (["--ttls", "2,60"], "must be finite and above the lease expiry margin"),
-    (["--calibration", "http://127.0.0.1:80x", "--calibration", "http://127.0.0.1:81x"], "cannot reach the worker"),
 ])
 def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, args, message):
     calibrated = [] if "--calibration" in args else ["--calibration", str(FIXTURE)]

@@ -195,3 +195,21 @@ def line_through_medians(samples: list[tuple[int, float]], min_samples: int = MI
     design = np.array([[1.0, x] for x in xs]) * weights[:, None]
     at_zero, slope = nonnegative_lstsq(design, medians * weights, [0, 1])
     return float(at_zero), float(slope), xs[-1]
+
+
+def compute_terms(chunks) -> np.ndarray:
+    """`ComputeFit`'s terms of the (new tokens, context) prompt chunks one step computed: the fixed cost once."""
+    terms = sum((ComputeFit.terms(n, context) for n, context in chunks), np.zeros(4))
+    terms[0] = 1.0
+    return terms
+
+
+def fit_decode_steps(samples: list[tuple[int, int, float, float]], min_batch_spread: float = 2.0
+                     ) -> tuple[tuple[float, float, float], float]:
+    """((a, b, k), extra) of decode steps' ms = a + b batch + k batch longest / 1e3 + extra busy, from (batch,
+    longest context, share of the step something else ran beside, ms): an engine pads a decode step's attention to
+    its longest context. Batches that varied less than `min_batch_spread` cannot tell b from k, and b is left 0."""
+    x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
+    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= min_batch_spread else [0, 2, 3]
+    c = fit_through_median(x, np.array([ms for *_, ms in samples]), active)
+    return (float(c[0]), float(c[1]), float(c[2])), float(c[3])

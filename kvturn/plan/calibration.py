@@ -1,12 +1,11 @@
-"""The cost model `kvturn plan` simulates with, and the one way it is fitted.
+"""The cost model `kvturn plan` simulates with, and the one way it is fitted: to a `kvturn bench --compare` run.
 
-The compute and decode step costs come from the forward steps every worker ran in service (step_samples.py: a
-`kvturn bench --compare` run keeps each worker's /kv/steps, and running workers answer it by URL, endpoints.py):
-prompt steps against the router's `ComputeFit` terms, decode steps against batch and padded context. The run's
+Compute and decode step costs come from the forward steps every worker ran in service (the bench keeps each
+worker's /kv/steps; step_samples.py): prompt steps against the router's `ComputeFit` terms, decode steps against
+batch and padded context, each by least relative squares put through the median of its samples. The run's
 requests give the rest: KV bytes per token, NIXL read time per MiB each way, and per leg the time to first token
-that is neither compute, transfer nor a queue. Each fit is of least relative squares put through the median of its
-samples. The same fit of each half of the samples (drawn at random) is kept beside it, so that a plan can say how
-far its figures move with the samples it was fitted to. Saved as a small versioned JSON."""
+that is neither compute, transfer nor a queue. The same fit of each half of the samples (drawn at random) is kept
+beside it, so that a plan can say how far its figures move with the samples it was fitted to."""
 import json
 from pathlib import Path
 from typing import Literal
@@ -14,20 +13,24 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, ValidationError, field_validator
 
-from kvturn.costmodel.fits import ComputeFit, fit_through_median, line_through_medians, median_ratio
+from kvturn.costmodel.fits import (
+    compute_terms,
+    fit_decode_steps,
+    fit_through_median,
+    line_through_medians,
+    median_ratio,
+)
 from kvturn.plan import step_samples
 from kvturn.plan.rows import in_flight, rows_of
 
-KIND = "kvturn-calibration"
-SCHEMA_VERSION = 2
+KIND, SCHEMA_VERSION = "kvturn-calibration", 2
 MIN_FIT_SAMPLES = 4
-MIN_BATCH_SPREAD = 2.0  # requests in a decode batch: the least spread from which a per-request cost is fitted
 MIN_PROMPT_SHARE = 0.25  # of a prompt step, the least left once the decodes beside it are taken out
 SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps over its fit, kept for the simulation
 WorkerKind = Literal["prefill", "decode", "colocated"]
 WORKER_KINDS = ("prefill", "decode", "colocated")
-# The shapes a calibration measured, at their most: new tokens of one prompt in a step, the tokens a prompt's step
-# attends to, the requests in a decode step, and the batch times its longest context. Beyond them fits extrapolate.
+# The shapes measured at their most (new tokens of one prompt in a step, the tokens its step attends to, the
+# requests in a decode step, the batch times its longest context): beyond them the fits extrapolate.
 Shape = Literal["prompt_tokens", "prompt_context", "decode_batch", "decode_attended"]
 SEEN_SHAPES = ("prompt_tokens", "prompt_context", "decode_batch", "decode_attended")
 Ms = NonNegativeFloat
@@ -42,18 +45,18 @@ class CalibrationError(ValueError):
 class Calibration(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     schema_version: Literal[2] = SCHEMA_VERSION
-    compute_fits: dict[WorkerKind, ComputeTerms]  # per kind of worker; one not measured takes P's
+    compute_fits: dict[WorkerKind, ComputeTerms]  # a kind not measured takes P's
     decode_step_fit: StepTerms
     colocated_step_fit: StepTerms | None = None  # a colocated worker's own (it may have more cores); None: D's
     decode_contention_ms: Ms = 0.0  # what a decode step gains while the other role computes on the same host
     read_ms_per_mib: dict[Literal["d_to_p", "p_to_d"], Ms]
     kv_bytes_per_token: float = Field(ge=1.0)
     other_ms: dict[str, Ms] = {}  # per leg, of a turn alone
-    other_ms_per_request: dict[str, Ms] = {}  # ...and what each other request in flight per prompt worker adds
+    other_ms_per_request: dict[str, Ms] = {}  # ...and what each other request in flight per prompt worker adds,
     other_load_seen: Ms = 0.0  # up to the most the calibration run saw
     step_scatter: dict[WorkerKind, list[PositiveFloat]] = {}  # quantiles of prompt steps over the fit, median 1
     seen: dict[Shape, PositiveFloat] = {}
-    halves: list["Calibration"] = Field(default=[], max_length=2)  # fitted to each half of the samples
+    halves: list["Calibration"] = Field(default=[], max_length=2)
     source: str = ""
     samples: dict[str, int] = {}
 
@@ -79,14 +82,12 @@ class Calibration(BaseModel):
         return self.colocated_step_fit if worker == "colocated" and self.colocated_step_fit else self.decode_step_fit
 
     def decode_steps_ms(self, worker: str, count: int, batch: int, longest: int) -> float:
-        """`count` decode steps of `batch` requests whose longest context is `longest`, growing a token a step
-        (kvturn's engine pads a decode step's attention to the longest context)."""
+        """`count` decode steps of `batch` requests whose longest context is `longest`, a token more each step."""
         a, b, k = self.step_fit(worker)
         return count * (a + b * batch) + k * batch * (count * longest + count * (count - 1) / 2) / 1e3
 
     def decodes_beside_prompts_ms(self, worker: str, batch: int, longest: int) -> float:
-        """What `batch` running decodes add to a step that also computes prompts: their per-request and attention
-        terms (one forward pass pays one fixed cost)."""
+        """What `batch` running decodes add to a prompt step: one forward pass pays one fixed cost."""
         return self.decode_steps_ms(worker, 1, batch, longest) - self.step_fit(worker)[0] if batch else 0.0
 
     def scatter(self, worker: str) -> list[float]:
@@ -107,53 +108,29 @@ class Calibration(BaseModel):
         return Path(path)
 
 
-def compute_terms(chunks: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """`ComputeFit`'s terms of prompts computed in one step: the fixed cost once, the others for each."""
-    terms = sum((ComputeFit.terms(n, context) for n, context in chunks), np.zeros(4))
-    terms[0] = 1.0
-    return terms
-
-
-def fit_decode_steps(samples: list[tuple[int, int, float, float]]) -> tuple[StepTerms, float]:
-    """((a, b, k), ms the other role's prompts add) from decode-only steps (batch, longest context, share of the
-    step the other role computed, ms). Batches that barely varied cannot tell a per-request cost from attention's."""
-    x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
-    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= MIN_BATCH_SPREAD else [0, 2, 3]
-    c = fit_through_median(x, np.array([ms for *_, ms in samples]), active)
-    return (float(c[0]), float(c[1]), float(c[2])), float(c[3])
-
-
-def prompt_samples(steps: list[step_samples.Step], own_step: StepTerms | None) -> tuple[np.ndarray, np.ndarray]:
-    """(terms, ms) of prompt steps, each less what its decodes added by `own_step` (their per-request and attention
-    terms: the simulation adds them to the prompts' compute)."""
-    _, b, k = own_step or (0.0, 0.0, 0.0)
-    ms = [max(s.ms - b * s.decodes - k * s.decodes * s.decode_longest / 1e3, s.ms * MIN_PROMPT_SHARE) for s in steps]
-    return np.array([compute_terms(s.prompts) for s in steps]), np.array(ms)
-
-
 def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None = None) -> dict:
-    """The fields a Calibration takes from steps in service: each kind's prompt and decode steps fitted; D, which
-    computes few shapes of prompt (later turns only), scales P's fit by its steps' median ratio to it."""
+    """A Calibration's fields from steps in service. A prompt step's time is taken less what the decodes beside it
+    added (the simulation adds them back); D, which computes few shapes of prompt, scales P's fit."""
     samples = step_samples.collect(legs, half)
     if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
         raise CalibrationError(f"too few steps in service to fit: {len(samples.prompts['prefill'])} prompt steps of "
                                f"prefill workers, {len(samples.decodes['decode'])} decode steps of decode workers "
                                f"(need {MIN_FIT_SAMPLES} of each): run kvturn bench --compare with a P/D leg")
     decode_step, contention = fit_decode_steps(samples.decodes["decode"])
-    colocated_step = fit_decode_steps(samples.decodes["colocated"])[0] \
-        if len(samples.decodes["colocated"]) >= MIN_FIT_SAMPLES else None
-    own_step = {"prefill": None, "decode": decode_step, "colocated": colocated_step or decode_step}
+    colocated = samples.decodes["colocated"]
+    colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    own_step = {"prefill": (0.0, 0.0, 0.0), "decode": decode_step, "colocated": colocated_step or decode_step}
     fits, scatter = {}, {}
-    for kind in WORKER_KINDS:
-        if len(samples.prompts[kind]) < MIN_FIT_SAMPLES:
-            continue
-        x, ms = prompt_samples(samples.prompts[kind], own_step[kind])
-        if kind == "decode":
-            coefficients = np.array(fits["prefill"]) * median_ratio(ms, x @ np.array(fits["prefill"]))
-        else:
-            coefficients = fit_through_median(x, ms)
-        fits[kind] = tuple(float(c) for c in coefficients)
-        ratios = ms / np.maximum(x @ coefficients, 1e-9)
+    for kind in (kind for kind in WORKER_KINDS if len(samples.prompts[kind]) >= MIN_FIT_SAMPLES):
+        _, b, k = own_step[kind]
+        steps = samples.prompts[kind]
+        x = np.array([compute_terms(s.prompts) for s in steps])
+        ms = np.array([max(s.ms - s.decodes * (b + k * s.decode_longest / 1e3), s.ms * MIN_PROMPT_SHARE)
+                       for s in steps])
+        terms = np.array(fits["prefill"]) * median_ratio(ms, x @ fits["prefill"]) if kind == "decode" else \
+            fit_through_median(x, ms)
+        fits[kind] = tuple(float(c) for c in terms)
+        ratios = ms / np.maximum(x @ terms, 1e-9)
         scatter[kind] = [float(q) for q in np.clip(np.quantile(ratios / np.median(ratios), SCATTER_QUANTILES),
                                                    1e-3, 100.0)]
     return {"compute_fits": fits, "decode_step_fit": decode_step, "colocated_step_fit": colocated_step,
@@ -161,58 +138,38 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
             "samples": {"steps": samples.count(), **{kind: len(s) for kind, s in samples.prompts.items()}}}
 
 
-def read_rate(pairs: list[tuple[float, int]]) -> float | None:
+def read_ms_per_mib(pairs: list[tuple[float, int]]) -> float | None:
     mib = sum(nbytes for _, nbytes in pairs) / 2**20
     return sum(ms for ms, _ in pairs) / mib if mib > 0 else None
 
 
-def read_rates(d_to_p: float | None, p_to_d: float | None) -> dict[str, float]:
-    """Both directions' read rates, ms per MiB; a direction nobody read in takes the other's."""
-    if d_to_p is None and p_to_d is None:
-        raise CalibrationError("no KV was read between workers: run a leg with bidirectional transfer "
-                               "(e.g. bidir/P-cache-off)")
-    return {"d_to_p": d_to_p if d_to_p is not None else p_to_d, "p_to_d": p_to_d if p_to_d is not None else d_to_p}
-
-
 def request_fields(runs: list[dict], half: int | None = None) -> dict:
-    """The fields a Calibration takes from the runs' requests: KV bytes a token, read rates (P's from reads no
-    step of its own overlapped, as the router learns them), and each leg's time outside compute as a line through
-    the median of each load in flight."""
+    """A Calibration's fields from the runs' requests: KV bytes a token, read rates (P's from reads no step of its
+    own overlapped, as the router learns them; a direction nobody read in takes the other's), and each leg's time
+    outside compute as a line through the median at each load in flight (each run's legs on their own clock)."""
     legs: dict[str, list] = {}
     for run in runs:
         by_leg: dict[str, list] = {}
         for row in rows_of(run):
             by_leg.setdefault(row.leg, []).append(row)
-        for leg, rows in by_leg.items():  # each run's legs keep their own clock
-            samples = [(in_flight(r, rows), r.other_ms) for r in rows]
-            legs.setdefault(leg, []).extend(step_samples.half_of(samples, half))
+        for leg, rows in by_leg.items():
+            legs.setdefault(leg, []).extend(step_samples.half_of([(in_flight(r, rows), r.other_ms) for r in rows],
+                                                                 half))
     rows = step_samples.half_of([row for run in runs for row in rows_of(run)], half)
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
     if not per_token:
         raise CalibrationError("no request read KV back from a decode worker: run a leg with bidirectional transfer "
                                "(e.g. bidir/P-cache-off) to measure KV bytes per token and read time")
     reads = [r for r in rows if r.bytes_d_to_p]
-    clean = [r for r in reads if not r.d_to_p_step_ms] or reads
+    d_to_p = read_ms_per_mib([(r.d_to_p_ms, r.bytes_d_to_p) for r in [r for r in reads if not r.d_to_p_step_ms]
+                              or reads])
+    p_to_d = read_ms_per_mib([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])
     other = {leg: line_through_medians(samples, MIN_FIT_SAMPLES) for leg, samples in legs.items()}
     return {"kv_bytes_per_token": float(np.median(per_token)),
-            "read_ms_per_mib": read_rates(read_rate([(r.d_to_p_ms, r.bytes_d_to_p) for r in clean]),
-                                          read_rate([(r.p_to_d_ms, r.bytes_p_to_d) for r in rows if r.bytes_p_to_d])),
+            "read_ms_per_mib": {"d_to_p": d_to_p, "p_to_d": p_to_d if p_to_d is not None else d_to_p},
             "other_ms": {leg: a for leg, (a, _, _) in other.items()},
             "other_ms_per_request": {leg: b for leg, (_, b, _) in other.items()},
             "other_load_seen": float(max((seen for _, _, seen in other.values()), default=0))}
-
-
-def with_halves(fit_half, source: str) -> Calibration:
-    """`fit_half(None)`'s calibration, with `fit_half(0)`'s and `fit_half(1)`'s beside it where each half has
-    enough samples to fit."""
-    halves = []
-    for half in (0, 1):
-        try:
-            halves.append(Calibration(**fit_half(half), source=f"{source} (half {half + 1})"))
-        except CalibrationError:
-            halves = []
-            break
-    return Calibration(**fit_half(None), halves=halves, source=source)
 
 
 def fitted(runs: list[dict], source: str = "") -> Calibration:
@@ -223,16 +180,20 @@ def fitted(runs: list[dict], source: str = "") -> Calibration:
         if not rows_of(run):
             raise CalibrationError(f"{which}not a kvturn bench results JSON: no measured requests under 'legs'")
         for name, leg in run["legs"].items():
-            steps = step_samples.leg_steps(leg)
-            if not steps:
+            legs.append(step_samples.leg_steps(leg))
+            if not legs[-1]:
                 raise CalibrationError(f"{which}leg {name} kept no worker steps in service: calibrate from a "
                                        "kvturn bench --compare run of this kvturn")
-            legs.append(steps)
+    requests = sum(len(rows_of(run)) for run in runs)
 
-    def fit_half(half: int | None) -> dict:
-        fields = {**step_fits(legs, half), **request_fields(runs, half)}
-        return {**fields, "samples": {**fields["samples"], "requests": sum(len(rows_of(run)) for run in runs)}}
-    return with_halves(fit_half, source)
+    def fields(half: int | None) -> dict:
+        steps = step_fits(legs, half)
+        return {**steps, **request_fields(runs, half), "samples": {**steps["samples"], "requests": requests}}
+    try:
+        halves = [Calibration(**fields(half), source=f"{source} (half {half + 1})") for half in (0, 1)]
+    except CalibrationError:
+        halves = []  # too few samples to fit each half apart
+    return Calibration(**fields(None), halves=halves, source=source)
 
 
 def _read_json(path: Path):
@@ -243,7 +204,7 @@ def _read_json(path: Path):
 
 
 def load(path: Path) -> Calibration:
-    """A saved calibration, or a `kvturn bench` results JSON to fit one from."""
+    """A saved calibration, or a `kvturn bench --compare` results JSON to fit one from."""
     data = _read_json(path)
     if not isinstance(data, dict) or data.get("kind") != KIND:
         try:
@@ -261,17 +222,8 @@ def load(path: Path) -> Calibration:
         raise CalibrationError(f"{path}: malformed calibration: {errors}") from None
 
 
-def load_many(paths: list[Path | str], secret: str | None = None) -> Calibration:
-    """One calibration, or one fitted to several bench results JSONs pooled, or to running workers given by URL
-    (`secret`, the cluster's, lets them tell their steps in service)."""
-    from kvturn.plan import endpoints
-    if not paths:
-        raise CalibrationError("no calibration given")
-    urls = [p for p in paths if endpoints.is_url(p)]
-    if urls:
-        if len(urls) < len(paths):
-            raise CalibrationError("give bench results JSONs or workers' URLs, not both")
-        return endpoints.fitted(urls, secret)
+def load_many(paths: list[Path | str]) -> Calibration:
+    """One calibration, or one fitted to several bench results JSONs pooled."""
     if len(paths) == 1:
         return load(Path(paths[0]))
     runs = [_read_json(Path(path)) for path in paths]

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from kvturn import costmodel
 from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
-from kvturn.costmodel.fits import MIN_SAMPLES, ComputeFit, Typical
 from kvturn.kv_transfer.params import HOST, POOL
 from kvturn.plan.calibration import SEEN_SHAPES, WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
@@ -89,27 +88,13 @@ class SessionState:
     finished_s: float | None = None
 
 
-FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least MIN_SAMPLES
-
-
 def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
-    """The router's cost model as it stands once calibrated: each fit starts from its own points, so that
-    `costmodel.choose` treats it as measured."""
-    model = costmodel.CostModel()
-    for role in ("prefill", "decode"):
-        fit = ComputeFit(calibration.fit_for(role))
-        for new, context in FIT_POINTS:
-            fit.add(new, context, max(fit.predict(new, context), 1e-3))
-        model.prefill[role] = fit
-    for measured, value in ((model.read_ms_per_mib, calibration.read_ms_per_mib["d_to_p"]),
-                            (model.handoff_read_ms_per_mib, calibration.read_ms_per_mib["p_to_d"]),
-                            (model.bytes_per_token, calibration.kv_bytes_per_token)):
-        for _ in range(MIN_SAMPLES):
-            measured.add(value)
-    for path, leg in ((costmodel.RECOMPUTE, "pd/P-cache-off"), (costmodel.PULL, "bidir/P-cache-off"),
-                      (costmodel.COMPUTE_ON_DECODE, "compute-on-D")):
-        model.other_ms[path] = Typical(calibration.other(leg))
-    return model
+    """The router's cost model as it stands once calibrated."""
+    other = {costmodel.RECOMPUTE: "pd/P-cache-off", costmodel.PULL: "bidir/P-cache-off",
+             costmodel.COMPUTE_ON_DECODE: "compute-on-D"}
+    return costmodel.CostModel.calibrated({role: calibration.fit_for(role) for role in ("prefill", "decode")},
+                                          calibration.read_ms_per_mib, calibration.kv_bytes_per_token,
+                                          {path: calibration.other(leg) for path, leg in other.items()})
 
 
 class RouterPool:

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from kvturn.bench import catalog
 from kvturn.bench import workload as bench_workload
 from kvturn.model.tokenizer import ChatTokenizer
-from kvturn.plan.rows import number_within
 
-TRACE_FIELDS = ("timestamp", "conversation_id", "prompt_tokens", "output_tokens")
 MAX_TIMESTAMP_S = 1e11  # a finite time in seconds, epoch or relative (year 5138)
 MAX_TOKENS = 2**24  # of a prompt or an answer
 
@@ -94,47 +94,43 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
     return Workload(name, sessions, clients)
 
 
-def _trace_record(line: str, where: str) -> dict:
+class TraceRecord(BaseModel):
+    """One line of a trace, as `kvturn router --trace-out` writes it."""
+    model_config = ConfigDict(strict=True, frozen=True)
+    timestamp: float = Field(allow_inf_nan=False, ge=-MAX_TIMESTAMP_S, le=MAX_TIMESTAMP_S)
+    conversation_id: str
+    prompt_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    output_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    finished: float | None = Field(None, allow_inf_nan=False, ge=-MAX_TIMESTAMP_S, le=MAX_TIMESTAMP_S)
+    shared_tokens: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _in_order(self) -> "TraceRecord":
+        if self.finished is not None and self.finished < self.timestamp:
+            raise ValueError("'finished' must not be before 'timestamp'")
+        if self.shared_tokens is not None and self.shared_tokens > self.prompt_tokens:
+            raise ValueError("'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
+        return self
+
+
+def _record(data, where: str) -> TraceRecord:
+    """A trace record, or TraceError saying where and which field is wrong."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-    return _checked(record, where)
+        return TraceRecord.model_validate(data)
+    except ValidationError as exc:
+        raise TraceError(f"{where}: " + "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"]
+                                                   else e["msg"] for e in exc.errors())) from None
 
 
-def _checked(record, where: str) -> dict:
-    """A trace record as the planner needs it, or TraceError saying which field is wrong."""
-    if not isinstance(record, dict):
-        raise TraceError(f"{where}: expected an object with {', '.join(TRACE_FIELDS)}")
-    if not isinstance(record.get("conversation_id"), str):
-        raise TraceError(f"{where}: 'conversation_id' missing or not a string")
-    for name in ("timestamp", "finished"):
-        value = record.get(name)
-        if (value is not None or name == "timestamp") and not number_within(value, -MAX_TIMESTAMP_S,
-                                                                             MAX_TIMESTAMP_S):
-            raise TraceError(f"{where}: {name!r} missing or not a finite number of seconds")
-    for name in ("prompt_tokens", "output_tokens"):
-        if type(record.get(name)) is not int:
-            raise TraceError(f"{where}: {name!r} missing or not a whole number")
-        if not 1 <= record[name] <= MAX_TOKENS:
-            raise TraceError(f"{where}: {name!r} must be at least 1 and at most {MAX_TOKENS}")
-    if record.get("finished") is not None and record["finished"] < record["timestamp"]:
-        raise TraceError(f"{where}: 'finished' must not be before 'timestamp'")
-    shared = record.get("shared_tokens")
-    if shared is not None and (type(shared) is not int or not 0 <= shared <= record["prompt_tokens"]):
-        raise TraceError(f"{where}: 'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
-    return record
-
-
-def _shared(turns: list[TurnDemand], record: dict) -> int:
+def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
     """The leading tokens `record`'s prompt shares with the previous turn's prompt and answer: as the trace says,
     within that history, or as `continues` infers; none for a conversation's first turn."""
     if not turns:
         return 0
     previous = turns[-1]
-    if record.get("shared_tokens") is None:
-        return continues(previous, record["prompt_tokens"])
-    return min(record["shared_tokens"], previous.prompt_tokens + previous.output_tokens)
+    if record.shared_tokens is None:
+        return continues(previous, record.prompt_tokens)
+    return min(record.shared_tokens, previous.prompt_tokens + previous.output_tokens)
 
 
 def from_trace(path: Path) -> Workload:
@@ -145,31 +141,33 @@ def from_trace(path: Path) -> Workload:
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    records.append(_trace_record(line, f"{path}:{number}"))
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                    records.append(_record(data, f"{path}:{number}"))
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
     return from_records(Path(path).stem, records, str(path))
 
 
-def from_records(name: str, records: list[dict], where: str) -> Workload:
-    """Checked trace records (`_checked`) as a workload."""
-    by_conversation: dict[str, list[dict]] = {}
+def from_records(name: str, records: list[TraceRecord], where: str) -> Workload:
+    by_conversation: dict[str, list[TraceRecord]] = {}
     for record in records:
-        by_conversation.setdefault(record["conversation_id"], []).append(record)
+        by_conversation.setdefault(record.conversation_id, []).append(record)
     if not by_conversation:
         raise TraceError(f"{where}: no requests in the trace")
-    origin = min(r["timestamp"] for r in records)
+    origin = min(r.timestamp for r in records)
     sessions = []
     for conversation_id, turns_of in by_conversation.items():
-        turns_of.sort(key=lambda r: r["timestamp"])
+        turns_of.sort(key=lambda r: r.timestamp)
         turns: list[TurnDemand] = []
         for previous, record in zip([None, *turns_of], turns_of):
-            think = 0.0
-            if previous is not None:
-                ended = previous["timestamp"] if previous.get("finished") is None else previous["finished"]
-                think = max(record["timestamp"] - ended, 0.0)
-            turns.append(TurnDemand(record["prompt_tokens"], record["output_tokens"], _shared(turns, record), think))
-        sessions.append(Session(conversation_id, turns, turns_of[0]["timestamp"] - origin))
+            ended = None if previous is None else previous.timestamp if previous.finished is None else \
+                previous.finished
+            think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
+            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, _shared(turns, record), think))
+        sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
     return Workload(name, sorted(sessions, key=lambda s: s.start_s))
 
 
@@ -196,7 +194,7 @@ def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> W
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
     if isinstance(data, dict) and "timestamp" in data:
-        return from_records(path.stem, [_checked(data, str(path))], str(path))
+        return from_records(path.stem, [_record(data, str(path))], str(path))
     tokenizer = ChatTokenizer(model_dir())
     try:
         conversations = bench_workload.load_file(path, tokenizer, seed)
