@@ -25,18 +25,13 @@ MAX_HISTORY_TOKENS = 262_144
 BEYOND_SHARE = 0.1  # shapes simulated beyond the calibration's by more than this share are named in the verdict
 LEFT_OUT = (
     "contention between processes sharing cores beyond what the calibration run's own steps saw",
-    "bandwidth shared by concurrent KV reads (each read runs at the calibrated MiB/s alone)",
-    "the decode worker's steps waiting for its read of P's prompt KV (P's read of D's retained KV holds up P's step)",
-    "preemption of running requests when a pool fills (leases are moved or dropped first, no request is preempted)",
-    "renewal of a lease by reads, and the copy of a host-tier lease back into the pool (a read from the host tier "
-    "costs what one from the pool does)",
-    "the router relearning compute and read costs from the workers' reports (its fits stay as calibrated)",
-    "failures and declines other than TTL, budget and threshold: read errors, epoch or hash mismatches, dead workers",
-    "an answer resent as other tokens than were generated: every continued prompt reuses its whole history",
-    "the scatter of decode steps (prompt steps draw their times from the calibration's scatter)",
+    "bandwidth shared by concurrent KV reads, and D's steps waiting for its read of P's prompt KV",
+    "preemption when a pool fills (leases move or go first), renewal of leases by reads, and the cost of reading "
+    "or restoring a lease from the host tier above the pool's",
+    "the router relearning costs from the workers' reports, and failures other than TTL, budget and threshold",
+    "an answer resent as other tokens than were generated (a continued prompt reuses its whole history), and the "
+    "scatter of decode steps",
 )
-OTHER_UNMEASURED = ("The calibration is of the workers alone: a turn's time outside compute and transfer (the "
-                    "router, HTTP, tokenizing) is not in these TTFTs.")
 SHAPE_WORDS = {"prompt_tokens": "prompt steps compute up to {planned} new tokens of a prompt",
                "prompt_context": "prompt steps attend to up to {planned} tokens",
                "decode_batch": "decode steps run up to {planned} requests",
@@ -51,7 +46,6 @@ class SweepPoint:
     peak_pool_mib: float
     peak_host_mib: float
     reuse_share: float
-    gain_share: float | None = None  # of the TTFT gain at the deployment's own TTL and host tier
 
 
 def candidate_leg(policy: str, prefix_caching_on_prefill: bool) -> str:
@@ -183,18 +177,10 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
         shapes = [SHAPE_WORDS[shape].format(planned=f"{v['planned']:,.0f}") + f" (the calibration's "
                   f"{v['calibrated']:,.0f})" for shape, v in beyond.items()]
         words.append(f"The calibrated costs are extrapolated here: {'; '.join(shapes)}.")
-    if not calibration.other_ms:
-        words.append(OTHER_UNMEASURED)
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
             "speedup": ranges["speedup"], "pays_above_history_tokens": break_even,
             "typical_new_tokens": typical_new}
-
-
-def with_gain_shares(points: list[SweepPoint], baseline_ms: float, reference: SweepPoint | None) -> None:
-    full = baseline_ms - reference.later_ttft_p50_ms if reference else 0.0
-    for p in points:
-        p.gain_share = (baseline_ms - p.later_ttft_p50_ms) / full if full > 0 else None
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
@@ -214,9 +200,6 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
                                 [speedup(h[baseline], h[candidate]) for h in halves])}
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
     points = sweep(workload, candidate, deployment, calibration, ttls, host_shares, predictions[candidate])
-    own = next((p for p in points if p.ttl_s == deployment.decoder_kv_blocks_ttl_s
-                and p.host_mib == (deployment.retained_host_mb or 0)), None)
-    with_gain_shares(points, predictions[baseline].later_ttft_p50_ms, own)
     answer = retention_answer(points, reuse_target)
     beyond = beyond_calibration(predictions, calibration)
     legs_out = {leg: {**predictions[leg].public(), "ttft_p50_ms_range": ranges["ttft_p50_ms"][leg][1:]}
@@ -232,7 +215,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "legs": legs_out,
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": calibration.model_dump(exclude={"halves"}),
-        "left_out": list(LEFT_OUT) + ([OTHER_UNMEASURED] if not calibration.other_ms else []),
+        "left_out": list(LEFT_OUT),
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
     })

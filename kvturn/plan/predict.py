@@ -1,7 +1,8 @@
-"""What one leg's simulation predicts: the figures `kvturn bench` measures, from the simulated turns; several
-simulations of a large workload at once on the machine's cores."""
+"""What one leg's simulation predicts: the figures `kvturn bench` measures, and retained KV per tier over time;
+a small workload simulated again with other draws of its steps' scatter, a large one's legs on every core."""
 import multiprocessing
 import os
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -12,7 +13,13 @@ from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.trace import Workload
 
-TIMELINE_POINTS = 48  # of retained KV over time in plan.json: each the most of its span
+TIMELINE_POINTS = 48  # of retained KV over time in plan.json, each the most of its span of time
+# A workload of fewer turns is simulated again, an odd number of times up to MAX_REPLICATIONS, and each figure is
+# the median: a few dozen turns' p50 moves with which of them queued, as a bench run's does.
+SCATTER_TURNS, MAX_REPLICATIONS = 2000, 31
+PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
+FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
+           "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")
 
 
 @dataclass(slots=True)
@@ -35,9 +42,7 @@ class LegPrediction:
 
     def public(self) -> dict:
         """The leg as plan.json shows it."""
-        return {name: getattr(self, name) for name in (
-            "ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
-            "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share", "paths", "retained_over_time")}
+        return {name: getattr(self, name) for name in (*FIGURES, "paths", "retained_over_time")}
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -46,11 +51,8 @@ def _percentile(values: list[float], p: float) -> float:
 
 def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[float]]:
     """(s, pool tokens, host tokens) at each change as at most TIMELINE_POINTS [s, pool MiB, host MiB], each the
-    most of its span of time (so that no peak is lost)."""
-    if not points:
-        return []
-    end = points[-1][0] or 1.0
-    spans: dict[int, list[float]] = {}
+    most of its span (no peak is lost)."""
+    end, spans = (points[-1][0] or 1.0) if points else 1.0, {}
     for s, pool, host in points:
         span = min(int(s / end * TIMELINE_POINTS), TIMELINE_POINTS - 1)
         most = spans.setdefault(span, [span * end / TIMELINE_POINTS, 0.0, 0.0])
@@ -61,28 +63,17 @@ def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[floa
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
     mib = sim.calibration.kv_bytes_per_token / 2**20
-    ttft = [r.ttft_ms for r in sim.results]
-    later = [r for r in sim.results if r.turn > 0]
+    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.turn > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
-    paths: dict[str, int] = {}
-    for r in sim.results:
-        paths[r.path or "colocated"] = paths.get(r.path or "colocated", 0) + 1
-    over_time = sim.retained_over_time
+    over_time = sim.retained_over_time or [(0.0, 0, 0)]
     return LegPrediction(
         sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
-        _percentile(sessions, 50), max((pool + host for _, pool, host in over_time), default=0) * mib,
-        max((pool for _, pool, _ in over_time), default=0) * mib,
-        max((host for *_, host in over_time), default=0) * mib,
-        sim.peak_worker_retained_tokens * mib,
+        _percentile(sessions, 50),
+        max(pool + host for _, pool, host in over_time) * mib, max(pool for _, pool, _ in over_time) * mib,
+        max(host for *_, host in over_time) * mib, sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        paths, dict(sim.reached), timeline(over_time, mib))
-
-
-# A workload of fewer turns than this is simulated again with other draws of its steps' scatter, up to
-# MAX_REPLICATIONS times (an odd number), and each figure is the median of the simulations': the bench's figures are
-# the median of runs, and a few dozen turns' p50 moves with which of them queued.
-SCATTER_TURNS = 2000
-MAX_REPLICATIONS = 31
+        dict(Counter(r.path or "colocated" for r in sim.results)), dict(sim.reached),
+        timeline(sim.retained_over_time, mib))
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
@@ -95,14 +86,11 @@ def replications(workload: Workload, calibration: Calibration) -> int:
 def median_of(runs: list[LegPrediction]) -> LegPrediction:
     """Each figure of `runs` (simulations of one leg) as their median; the events of all of them, and the shapes
     the steps of any of them reached."""
-    def median(name: str) -> float:
-        return float(np.median([getattr(run, name) for run in runs]))
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
-    return LegPrediction(runs[0].leg, *(median(name) for name in (
-        "ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
-        "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")), runs[0].turns,
-        sum(run.events for run in runs), paths, {shape: max(run.reached[shape] for run in runs) for shape in
-                                                 runs[0].reached}, runs[0].retained_over_time)
+    return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
+                         runs[0].turns, sum(run.events for run in runs), paths,
+                         {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached},
+                         runs[0].retained_over_time)
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
@@ -111,7 +99,6 @@ def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: 
     return runs[0] if len(runs) == 1 else median_of(runs)
 
 
-PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
 _shared: tuple = ()  # (workload, calibration), inherited by forked workers rather than pickled to each
 
 
@@ -121,8 +108,7 @@ def _share(workload: Workload, calibration: Calibration) -> None:
 
 
 def _simulate_shared(job: tuple[str, Deployment]) -> LegPrediction:
-    leg, deployment = job
-    return simulate(_shared[0], LEGS[leg], deployment, _shared[1])
+    return simulate(_shared[0], LEGS[job[0]], job[1], _shared[1])
 
 
 def simulate_many(workload: Workload, calibration: Calibration,
