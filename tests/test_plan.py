@@ -180,7 +180,6 @@ def said(result) -> str:
     return " ".join(result.output.replace("│", " ").split())
 
 
-
 def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible(cost_model, tmp_path):
     results = json.loads(FIXTURE.read_text())
     junk = ["12", None, True, -5, float("nan"), 1e300, [1], {"ms": 1}]
@@ -478,7 +477,6 @@ def test_the_simulated_router_picks_workers_as_the_routers_own_least_loaded(cost
     assert all(mine[:2] == pytest.approx(real) for mine, real in ((p[:2], p[2:]) for p in picks))
 
 
-
 def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     workload = agent_sessions(6, 3)
     plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0])
@@ -498,13 +496,6 @@ def test_a_plan_names_the_shapes_its_steps_reach_beyond_the_calibration(cost_mod
     assert set(plan["beyond_calibration"]) == {"decode_batch"}
     assert 2.2 < plan["beyond_calibration"]["decode_batch"]["planned"] <= 4
     assert "extrapolated" in plan["verdict"]["text"] and "decode steps run up to" in plan["verdict"]["text"]
-
-
-def test_reuse_pays_above_a_history_length_by_the_calibrated_costs(cost_model):
-    threshold = planner.break_even_history(cost_model, 200, "pd/P-cache-off", "bidir/P-cache-off")
-    assert threshold is not None and threshold % 16 == 0
-    slow_reuse = cost_model.model_copy(update={"other_ms": {"pd/P-cache-off": 0.0, "bidir/P-cache-off": 1e9}})
-    assert planner.break_even_history(slow_reuse, 200, "pd/P-cache-off", "bidir/P-cache-off") is None
 
 
 def test_the_router_traces_each_finished_turn_for_the_planner(tiny_model_dir, tmp_path):
@@ -585,7 +576,6 @@ def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, arg
     assert message in said(result), result.output
 
 
-
 def test_a_workload_of_single_turns_plans_to_null_not_nan(cost_model, tmp_path):
     workload = Workload("single", [Session(f"s{i}", [TurnDemand(2000, 16, 0)]) for i in range(3)], 2)
     plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0])
@@ -645,7 +635,6 @@ def test_the_router_writes_no_trace_line_the_planner_would_refuse(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["prompt_tokens"] == 126
     assert trace.load(path, lambda: "unused", 0, 1).sessions[0].turns[0].prompt_tokens == 126
-
 
 
 def test_leases_over_the_pool_budget_move_oldest_first_to_the_host_tier_and_drop_its_oldest_when_full():

@@ -6,14 +6,12 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 
-import numpy as np
-
 from kvturn.bench.catalog import Scenario
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
 from kvturn.plan.calibration import Calibration
 from kvturn.plan.predict import LegPrediction, simulate_many
 from kvturn.plan.sim import Deployment
-from kvturn.plan.trace import Workload, reusable
+from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
 HOST_SHARES = (0.25, 0.5, 1.0)  # host-tier budgets swept beside the deployment's own: shares of the peak retained
@@ -21,7 +19,6 @@ REUSE_TARGET = 0.95
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
-MAX_HISTORY_TOKENS = 262_144
 BEYOND_SHARE = 0.1  # shapes simulated beyond the calibration's by more than this share are named in the verdict
 LEFT_OUT = (
     "contention between processes sharing cores beyond what the calibration run's own steps saw",
@@ -65,28 +62,6 @@ def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calib
         if planned > seen * (1 + BEYOND_SHARE):
             beyond[shape] = {"planned": planned, "calibrated": seen}
     return beyond
-
-
-def break_even_history(calibration: Calibration, new_tokens: int, baseline: str, candidate: str) -> int | None:
-    """Fewest history tokens (a multiple of 16) from which reusing them beats recomputing them with `new_tokens`
-    added, by the calibrated costs, for a turn alone; None if it never does up to MAX_HISTORY_TOKENS."""
-    def gain(history: int) -> float:
-        recompute = calibration.prefill_ms(new_tokens + history, 0) + calibration.other(baseline)
-        if candidate == "compute-on-D":
-            reuse = calibration.prefill_ms(new_tokens, history, "decode")
-        else:
-            reuse = calibration.read_ms(history, "d_to_p") + calibration.prefill_ms(new_tokens, history)
-        return recompute - reuse - calibration.other(candidate)
-    history = 16
-    while history <= MAX_HISTORY_TOKENS and gain(history) <= 0:
-        history *= 2
-    if history > MAX_HISTORY_TOKENS:
-        return None
-    low, high = history // 2, history
-    while high - low > 16:
-        middle = (low + high) // 32 * 16
-        low, high = (middle, high) if gain(middle) <= 0 else (low, middle)
-    return high
 
 
 def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
@@ -146,14 +121,8 @@ def speedup(baseline: LegPrediction, candidate: LegPrediction) -> float:
 def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, baseline: str, candidate: str,
             calibration: Calibration, deployment: Deployment, answer: dict, beyond: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
-    new_tokens = [t.prompt_tokens - reusable(before, t) for s in workload.sessions
-                  for before, t in zip(s.turns, s.turns[1:])]
-    typical_new = int(np.median(new_tokens)) if new_tokens else 0
-    break_even = break_even_history(calibration, typical_new, baseline, candidate)
-    if break_even is not None:  # below the threshold the prefill worker declines to read at all
-        break_even = max(break_even, deployment.kv_recompute_threshold_tokens)
     about = f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns)"
-    if not new_tokens:
+    if workload.num_turns == len(workload.sessions):
         words = [f"{about} no session has a second turn: there is no history to reuse, and {candidate} only holds "
                  f"memory."]
     else:
@@ -162,9 +131,6 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
                  f"{base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms: {value:.2f}x "
                  f"({low:.2f}-{high:.2f}x over the calibration's halves); {cand.reuse_share:.0%} of later turns "
                  f"reuse retained KV."]
-        words.append(f"For a turn adding {typical_new} new tokens, reuse never beats recomputing by the calibrated "
-                     f"costs." if break_even is None else f"Reuse pays for turns whose history exceeds {break_even} "
-                     f"tokens (adding {typical_new} new ones).")
     words.append(f"With TTL {deployment.decoder_kv_blocks_ttl_s:.0f} s decode workers hold up to "
                  f"{cand.peak_pool_mib:,.0f} MiB of retained KV in their pools and {cand.peak_host_mib:,.0f} MiB in "
                  f"host tiers.")
@@ -179,8 +145,7 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
         words.append(f"The calibrated costs are extrapolated here: {'; '.join(shapes)}.")
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
-            "speedup": ranges["speedup"], "pays_above_history_tokens": break_even,
-            "typical_new_tokens": typical_new}
+            "speedup": ranges["speedup"]}
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,

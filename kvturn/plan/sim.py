@@ -1,8 +1,8 @@
 """A discrete-event simulation of one deployment leg serving a workload: the router's own code for each turn (its
-`paths` cost model, choice, exploration and learning, and its `workers` load accounting: claims, predicted
-backlog, least-loaded picks, run on the simulated clock), prefill and decode workers as step loops (steps.py),
-retention leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a
-trace's own start times. A plain heapq loop: the whole state is a few dicts and lists."""
+cost model's path choice and learning, its load accounting on the simulated clock), workers as step loops
+(steps.py), leases and prefix caches (retention.py), think time, and closed-loop clients or a trace's own start
+times. A plain heapq loop: the whole state is a few dicts and lists. The router streams P's first token ahead of
+the decode worker, as it does for the bench's streamed requests."""
 import heapq
 import random
 from collections import deque
@@ -38,16 +38,11 @@ class Deployment:
     prefill_pack_tokens: int = default_of(EngineConfig, "prefill_pack_tokens")
     block_size: int = default_of(EngineConfig, "block_size")
     one_host: bool = False  # every worker on one machine's cores, as `kvturn bench --compare` runs them
-    # The router streams P's first token ahead of the decode worker (streamed requests without stop strings or
-    # logprobs, as the bench sends): D's read and first step are then not in the time to first token.
-    first_token_ahead: bool = True
 
 
 @dataclass(slots=True)
 class TurnResult:
-    session: int
     turn: int
-    prompt_tokens: int
     arrival_s: float
     path: str = ""
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
@@ -67,7 +62,6 @@ class Flight:
     prefill: int = 0  # the prefill worker serving it
     decode: int = 0  # the decode worker serving it
     read_ms: float = 0.0  # P's read of D's retained history
-    prefill_compute_ms: float = 0.0
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
 
 
@@ -244,7 +238,7 @@ class Simulation:
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
         """The turn will arrive at `arrival_s`."""
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, arrival_s)
+        result = TurnResult(state.next_turn, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
         shareable = reusable(previous, turn)
@@ -296,8 +290,7 @@ class Simulation:
         prefill = self.router_prefill.workers[prefill_index]
         view = costmodel.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
                               holder.in_flight if holder else 0, available, prefill.in_flight, prefill.backlog_ms(now),
-                              holder.backlog_ms(now) if holder else 0.0, self.deployment.first_token_ahead,
-                              holder.step_ms if holder else 0.0)
+                              holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.result.path = choice.path
@@ -354,14 +347,14 @@ class Simulation:
         worker.submit_prefill(job)
 
     def _prefilled(self, job: Job, now: float) -> None:
-        """P has answered: the router learns from its report and sends the turn on to a decode worker."""
+        """P has answered: the router streams its first token, learns from its report and sends the turn on to a
+        decode worker, which reads the prompt's KV it lacks and decodes."""
         flight = job.flight
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
         self.router_prefill.release(flight.claim, flight.prefill)
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
-        flight.prefill_compute_ms = job.compute_ms
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
         if holder is None or self.router_decode.workers[holder].in_flight >= self.deployment.max_in_flight_per_decode:
@@ -370,18 +363,10 @@ class Simulation:
         flight.claim = self.router_decode.claim(holder)
         on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
-        read = turn.prompt_tokens - on_decode
-        if self.deployment.first_token_ahead:
-            self._first_token(flight, now, job.compute_ms + flight.read_ms)
-        read_ms = self.calibration.read_ms(read, "p_to_d")
-        self.at(now + read_ms / 1e3, self._decode_on, flight, read_ms)
-
-    def _decode_on(self, flight: Flight, read_ms: float) -> None:
-        """D has read the prompt's KV it lacked from P (in `read_ms`): it decodes."""
-        if not self.deployment.first_token_ahead:
-            self._first_token(flight, self.now, flight.prefill_compute_ms + flight.read_ms + read_ms)
-        job = Job(0, flight.turn.prompt_tokens, flight.turn.output_tokens - 1, flight, on_finished=self._decoded)
-        self.decode[flight.decode].submit_decode(job)
+        self._first_token(flight, now, job.compute_ms + flight.read_ms)
+        job = Job(0, turn.prompt_tokens, turn.output_tokens - 1, flight, on_finished=self._decoded)
+        read_ms = self.calibration.read_ms(turn.prompt_tokens - on_decode, "p_to_d")
+        self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, job)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
         ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
