@@ -58,16 +58,15 @@ def engine_prompt_steps(limits: dict) -> list[tuple]:
 
 
 class Recording(Simulation):
-    """The simulation, noting each prompt step its workers run (the shapes it reaches are told step by step)."""
+    """The simulation, noting each prompt step its workers run (each is priced as it is scheduled)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.prompt_steps: list[tuple] = []
 
-    def reach_prompts(self, chunks: list) -> None:
-        super().reach_prompts(chunks)
-        loop = self.decode[0]
+    def prompt_step_ms(self, loop, chunks: list) -> float:
         self.prompt_steps.append((sorted((job.flight, n) for job, n in chunks), len(loop.decoding)))
+        return super().prompt_step_ms(loop, chunks)
 
 
 def planner_prompt_steps(limits: dict) -> list[tuple]:

@@ -1,8 +1,7 @@
 """A discrete-event simulation of one deployment leg serving a workload: the router's own code for each turn (its
 cost model's path choice and learning, its load accounting on the simulated clock), workers as step loops
 (steps.py), leases and prefix caches (retention.py), think time, and closed-loop clients or a trace's own start
-times. A plain heapq loop: the whole state is a few dicts and lists. The router streams P's first token ahead of
-the decode worker, as it does for the bench's streamed requests."""
+times. The router streams P's first token ahead of the decode worker, as for the bench's streamed requests."""
 import heapq
 import random
 from collections import deque
@@ -55,12 +54,12 @@ class Flight:
     state: "SessionState"
     turn: TurnDemand
     result: TurnResult
-    shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse (its last token is always computed)
+    shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse
     dispatched_s: float = 0.0
     choice: costmodel.PathChoice | None = None
     claim: Claim | None = None  # the router's load on the worker serving the turn now
-    prefill: int = 0  # the prefill worker serving it
-    decode: int = 0  # the decode worker serving it
+    prefill: int = 0
+    decode: int = 0
     read_ms: float = 0.0  # P's read of D's retained history
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
 
@@ -92,10 +91,9 @@ def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
 
 
 class RouterPool:
-    """The router's view of one role's workers, kept by its own code (`WorkerPool`, its claims and each worker's
-    predicted `backlog_ms`). The backlog is read whenever a claim comes or goes; in between it falls by a millisecond
-    each millisecond (the work predicted, less what the worker can have done since it took it up), so it is kept as
-    the time it runs out, and a least-loaded pick does not price every request pending on every worker."""
+    """The router's view of one role's workers, kept by its own `WorkerPool`. A worker's predicted backlog falls by
+    a millisecond each millisecond between claims, so it is kept as the time it runs out: a least-loaded pick then
+    prices no pending request."""
 
     def __init__(self, sim: "Simulation", role: str, size: int):
         self.sim = sim
@@ -117,20 +115,14 @@ class RouterPool:
         self._changed(index)
 
     def _changed(self, index: int) -> None:
-        now = self.sim.now
-        self.free_at_s[index] = now + self.workers[index].backlog_ms(now) / 1e3
+        self.free_at_s[index] = self.sim.now + self.workers[index].backlog_ms(self.sim.now) / 1e3
 
     def least_loaded(self) -> int:
-        """The index of `WorkerPool.least_loaded`'s pick (every worker healthy): least backlog, then fewest
-        requests in flight, then the first."""
+        """`WorkerPool.least_loaded`'s pick: least backlog, then fewest requests in flight, then the first."""
         now, free_at = self.sim.now, self.free_at_s
         soonest = min(free_at)
-        if soonest > now:
-            candidates = [i for i, free in enumerate(free_at) if free == soonest]
-        else:
-            candidates = [i for i, free in enumerate(free_at) if free <= now]
-        workers = self.workers
-        return min(candidates, key=lambda i: workers[i].in_flight)
+        candidates = [i for i, free in enumerate(free_at) if (free == soonest if soonest > now else free <= now)]
+        return min(candidates, key=lambda i: self.workers[i].in_flight)
 
 
 class Simulation:
@@ -139,75 +131,60 @@ class Simulation:
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
-        self.now = 0.0
-        self.events = 0
-        self._queue: list = []
-        self._order = 0
+        self.now, self.events, self._queue, self._order = 0.0, 0, [], 0
         d = deployment
-        pool_tokens = int(d.kv_cache_mb * 2**20 / calibration.kv_bytes_per_token)
-        loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs,  # noqa: E731
-                                            d.max_num_batched_tokens, d.prefill_pack_tokens)
         self.colocated = leg.mode == "colocated"
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
-        self.prefill = [] if self.colocated else [loop("prefill", i) for i in range(d.num_prefill)]
-        self.decode = [loop("colocated" if self.colocated else "decode", i) for i in range(d.num_decode)]
-        # The router's view of the workers, kept by its own code: load, predicted backlog, decode step time.
+        loop = lambda kind: StepLoop(self, kind, d.max_num_seqs, d.max_num_batched_tokens,  # noqa: E731
+                                     d.prefill_pack_tokens)
+        self.prefill = [] if self.colocated else [loop("prefill") for _ in range(d.num_prefill)]
+        self.decode = [loop("colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
         self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
         self.router_decode = RouterPool(self, "decode", len(self.decode))
         for worker, view in zip(self.decode, self.router_decode.workers):
-            worker.token_gaps_ms = view.token_gaps_ms
-        self.pool_tokens = pool_tokens
-        self.prefill_cache = [PrefixCache(pool_tokens) for _ in self.prefill] if leg.prefix_caching_on_prefill else []
-        self.decode_cache = [PrefixCache(pool_tokens) for _ in self.decode]
-        budget = self._tokens_in(d.retained_kv_budget_mb) if d.retained_kv_budget_mb is not None else None
-        host = self._tokens_in(d.retained_host_mb or 0)
-        self.leases = [Leases(budget, host, self._retained_changed) for _ in self.decode]
-        # Every lease made, with its decode worker: one TTL for all, so they end in the order they were made
-        self.lease_ends: deque[tuple[Lease, int]] = deque()
+            worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
+        self.pool_tokens = self._tokens_in(d.kv_cache_mb)
+        self.prefill_cache = [PrefixCache(self.pool_tokens) for _ in self.prefill] \
+            if leg.prefix_caching_on_prefill else []
+        self.decode_cache = [PrefixCache(self.pool_tokens) for _ in self.decode]
+        budget = None if d.retained_kv_budget_mb is None else self._tokens_in(d.retained_kv_budget_mb)
+        self.leases = [Leases(budget, self._tokens_in(d.retained_host_mb or 0), self._retained_changed)
+                       for _ in self.decode]
+        self.lease_ends: deque[tuple[Lease, int]] = deque()  # one TTL for all: they end in the order they began
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
-        self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
+        self.prompt_workers = len(self.prefill) or len(self.decode)
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
         self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
-        self.peak_worker_retained_tokens = 0  # on the decode worker that held the most (a budget is per worker)
+        self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
         self.results: list[TurnResult] = []
         self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
     def other_role_busy(self, loop: StepLoop) -> bool:
-        """A worker of the other role is busy on the same cores; never for workers on their own hardware, or a
-        colocated worker alone."""
-        return self.shared_cores and any(worker.busy for worker in (self.decode if loop.kind == "prefill"
-                                                                    else self.prefill))
+        """A worker of the other role is busy on the same cores (never on hardware of their own)."""
+        return self.shared_cores and any(w.busy for w in (self.decode if loop.kind == "prefill" else self.prefill))
 
     def contention_ms(self, loop: StepLoop) -> float:
-        """What a decode step of `loop` gains while the other role computes on the same cores."""
         return self.calibration.decode_contention_ms if self.other_role_busy(loop) else 0.0
 
-    def prompt_step_ms(self, loop: StepLoop, compute_ms: float) -> float:
-        """A prompt step whose compute the fit puts at `compute_ms`, scattered as the calibration's steps of that
-        kind of worker were (a factor drawn from its quantiles: steps of fixed times would keep closed-loop sessions
-        in lockstep, which a real machine's scatter breaks up into queues)."""
-        scatter = self._scatter[loop.kind]
-        return compute_ms * self._draw(scatter) if scatter else compute_ms
-
-    def reach_prompts(self, chunks: list) -> None:
-        """A prompt step computes (job, new tokens) `chunks`."""
+    def prompt_step_ms(self, loop: StepLoop, chunks: list[tuple[Job, int]]) -> float:
+        """A step of `loop` computing the (job, new tokens) `chunks`, scattered as the calibration's steps of that
+        kind were (steps of fixed times keep closed-loop sessions in a lockstep that a machine's scatter breaks)."""
         reached = self.reached
         for job, n in chunks:
             reached["prompt_tokens"] = max(reached["prompt_tokens"], n)
             reached["prompt_context"] = max(reached["prompt_context"], job.context + n)
+        ms = self.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], loop.kind)
+        return ms * self._draw(self._scatter[loop.kind]) if self._scatter[loop.kind] else ms
 
     def reach_decode(self, batch: int, longest: int) -> None:
-        """A step decodes `batch` requests, the longest context `longest`."""
-        reached = self.reached
-        reached["decode_batch"] = max(reached["decode_batch"], batch)
-        reached["decode_attended"] = max(reached["decode_attended"], batch * longest)
+        self.reached["decode_batch"] = max(self.reached["decode_batch"], batch)
+        self.reached["decode_attended"] = max(self.reached["decode_attended"], batch * longest)
 
-    # ---- the event loop
     def at(self, time_s: float, action, *args) -> None:
         self._order += 1
         heapq.heappush(self._queue, (time_s, self._order, action, args))
@@ -226,7 +203,6 @@ class Simulation:
             action(*args)
         return self
 
-    # ---- sessions and turns
     def _start_next_session(self) -> None:
         if self._pending_sessions:
             self._start_session(self._pending_sessions.pop())
@@ -236,13 +212,11 @@ class Simulation:
         self._start_turn(state, self.now)
 
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
-        """The turn will arrive at `arrival_s`."""
         turn = state.session.turns[state.next_turn]
         result = TurnResult(state.next_turn, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        shareable = reusable(previous, turn)
-        flight = Flight(state, turn, result, self._blocks(shareable))
+        flight = Flight(state, turn, result, self._blocks(reusable(previous, turn)))
         if arrival_s <= self.now:
             self._arrive(flight)
         else:
@@ -256,12 +230,12 @@ class Simulation:
         self.at(self.now + self.calibration.other(self.leg.name, load) / 1e3, self._dispatch, flight)
 
     def _turn_done(self, flight: Flight) -> None:
-        state, turn, decode = flight.state, flight.turn, flight.decode
+        state, turn = flight.state, flight.turn
         conversation = state.session.conversation_id
         retained = self._blocks(turn.prompt_tokens + turn.output_tokens - 1)
-        self.decode_cache[decode].store(conversation, retained)
+        self.decode_cache[flight.decode].store(conversation, retained)
         if self.leg.bidirectional:
-            self._retain(conversation, decode, retained)
+            self._retain(conversation, flight.decode, retained)
         self.turns_in_flight -= 1
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
@@ -271,8 +245,8 @@ class Simulation:
         if self.workload.clients:
             self._start_next_session()
 
-    # ---- one turn's path, as kvturn/router/turn.py takes it
     def _dispatch(self, flight: Flight) -> None:
+        """The turn's path, as kvturn/router/turn.py takes it."""
         state, turn = flight.state, flight.turn
         flight.dispatched_s = now = self.now
         if self.colocated:
@@ -285,12 +259,12 @@ class Simulation:
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
         flight.leased_tokens = entry.lease.tokens if entry else 0
-        available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
         prefill_index = self.router_prefill.least_loaded()
         prefill = self.router_prefill.workers[prefill_index]
-        view = costmodel.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
-                              holder.in_flight if holder else 0, available, prefill.in_flight, prefill.backlog_ms(now),
-                              holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
+        view = costmodel.TurnView(
+            turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
+            holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
+            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.result.path = choice.path
@@ -309,7 +283,6 @@ class Simulation:
 
     def _compute_on(self, decode: int, flight: Flight, lease_tokens: int) -> None:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
-        turn = flight.turn
         shareable = flight.shareable_tokens
         cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id),
                                     lease_tokens))
@@ -317,9 +290,8 @@ class Simulation:
         flight.decode = decode
         if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
             self.costs.observe_reuse(flight.leased_tokens, cached)
-        job = Job(turn.prompt_tokens - cached, cached, turn.output_tokens, flight,
-                  on_first_token=self._computed_on_decode, on_finished=self._decoded)
-        self.decode[decode].submit_prefill(job)
+        self.decode[decode].submit_prefill(Job(flight.turn.prompt_tokens - cached, cached, flight.turn.output_tokens,
+                                               flight, self._computed_on_decode, self._decoded))
 
     def _computed_on_decode(self, job: Job, now: float) -> None:
         flight = job.flight
@@ -328,23 +300,17 @@ class Simulation:
         self._first_token(flight, now, job.compute_ms)
 
     def _prefill_on(self, prefill: int, flight: Flight, lease_tokens: int) -> None:
-        """Prefill on P (reading D's retained history first when that saves at least the threshold); P answers
-        with the first token, then the decode worker reads the prompt's KV it lacks and decodes."""
-        turn = flight.turn
-        conversation = flight.state.session.conversation_id
-        shareable = flight.shareable_tokens
+        """Prefill on P, reading D's retained history first when that saves at least the threshold."""
+        conversation, shareable = flight.state.session.conversation_id, flight.shareable_tokens
         local = min(shareable, self.prefill_cache[prefill].hit(conversation)) if self.prefill_cache else 0
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.result.reused_tokens = remote
-        flight.prefill = prefill
-        context = local + remote
-        job = Job(turn.prompt_tokens - context, context, 1, flight, on_finished=self._prefilled)
-        worker = self.prefill[prefill]
-        if remote:  # read as P's step that admits it is scheduled (StepLoop._step)
+        flight.result.reused_tokens, flight.prefill = remote, prefill
+        job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
+        if remote:  # read as P's step that admits it is scheduled
             flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
-        worker.submit_prefill(job)
+        self.prefill[prefill].submit_prefill(job)
 
     def _prefilled(self, job: Job, now: float) -> None:
         """P has answered: the router streams its first token, learns from its report and sends the turn on to a
@@ -364,9 +330,9 @@ class Simulation:
         on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
         self._first_token(flight, now, job.compute_ms + flight.read_ms)
-        job = Job(0, turn.prompt_tokens, turn.output_tokens - 1, flight, on_finished=self._decoded)
+        decode = Job(0, turn.prompt_tokens, turn.output_tokens - 1, flight, on_finished=self._decoded)
         read_ms = self.calibration.read_ms(turn.prompt_tokens - on_decode, "p_to_d")
-        self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, job)
+        self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, decode)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
         ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
@@ -374,12 +340,10 @@ class Simulation:
             self.costs.observe_turn(flight.choice, ttft_ms, explained_ms)
 
     def _decoded(self, job: Job, now: float) -> None:
-        flight = job.flight
-        if flight.claim is not None:
-            self.router_decode.release(flight.claim, flight.decode)
-        self._turn_done(flight)
+        if job.flight.claim is not None:
+            self.router_decode.release(job.flight.claim, job.flight.decode)
+        self._turn_done(job.flight)
 
-    # ---- retention
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:
         previous = self.table.get(conversation)
         if previous is not None and previous.decode != decode:
@@ -387,32 +351,25 @@ class Simulation:
         leases = self.leases[decode]
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
-            pass  # the pool needs room: leases go before any running request is preempted
+            pass  # the pool needs room: leases move or go before any running request is preempted
         if lease is not None:
             self.lease_ends.append((lease, decode))
-        self._expire_leases()
+        while self.lease_ends and self.lease_ends[0][0].expiry_s <= self.now:  # each worker ends its own
+            ended, worker = self.lease_ends.popleft()
+            if ended.alive:
+                self.leases[worker].drop(ended.conversation)
         self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
-            return
-        self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
-
-    def _expire_leases(self) -> None:
-        """End every decode worker's leases past their TTL, as each worker does on its own clock, not only when
-        it next retains: the cluster's peak counts no lease that ended."""
-        while self.lease_ends and self.lease_ends[0][0].expiry_s <= self.now:
-            lease, decode = self.lease_ends.popleft()
-            if lease.alive:  # else superseded, reclaimed or expired already
-                self.leases[decode].drop(lease.conversation)
+        else:
+            self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
 
     def _tokens_in(self, mib: int) -> int:
         return int(mib * 2**20 / self.calibration.kv_bytes_per_token)
 
     def _retained_changed(self, tier: str, tokens: int) -> None:
-        """Each instant's retained KV once every change made then is in (a lease moved as soon as it is made is
-        never counted in the pool)."""
-        retained, timeline = self.retained_tokens, self.retained_over_time
-        retained[tier] += tokens
-        if timeline and timeline[-1][0] == self.now:
-            timeline.pop()
-        timeline.append((self.now, retained[POOL], retained[HOST]))
+        """Each instant's retained KV once every change made then is in."""
+        self.retained_tokens[tier] += tokens
+        if self.retained_over_time and self.retained_over_time[-1][0] == self.now:
+            self.retained_over_time.pop()
+        self.retained_over_time.append((self.now, self.retained_tokens[POOL], self.retained_tokens[HOST]))

@@ -1,12 +1,7 @@
 """The forward steps each leg's workers ran in service (the bench keeps every worker's /kv/steps in results.json), as
-samples of the plan's cost model: what each prompt step computed and took, what each decode step ran and took.
-
-A step is measured as it ran beside everything else of the leg: the other role's steps on the same host, the
-router, the client, a history just read over NIXL into scattered blocks. On the dev machine such steps ran ~1.4x
-the time of the same shapes timed at a worker's start-up (alone, back to back, on a context it had just computed),
-and a fit to a short calibration run's steps put the prompt steps of agent-loop runs made minutes later within
-7% at the median, while D was decoding eight sessions beside them. So the fits come from these steps alone, and
-the slowdown beside the other role and the cost of starting idle are in them, on average, as the run saw them."""
+samples of the plan's cost model. A step is measured as it ran beside everything else of the leg (the other role's
+steps on the same host, the router, the client, reads over NIXL), so the slowdown beside the other role and the
+cost of starting idle are in the fits, on average, as the calibration run saw them."""
 import random
 from dataclasses import dataclass
 

@@ -48,7 +48,6 @@ class Segment:
 class StepLoop:
     sim: object  # the Simulation: now, at(), and the calibration
     kind: str  # "prefill", "decode" or "colocated": which of the calibration's compute fits applies
-    index: int  # among the workers of its role
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_pack_tokens: int
@@ -156,12 +155,9 @@ class StepLoop:
             self.busy = False
             return
         reads_ms, chunks = self._admit(batch)
-        ms = self._decodes_beside_prompts_ms(batch)
-        compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
-        self.sim.reach_prompts(chunks)
+        ms = self._decodes_beside_prompts_ms(batch) + self.sim.prompt_step_ms(self, chunks)
         if batch:
             self.sim.reach_decode(batch, self.longest)
-        ms += self.sim.prompt_step_ms(self, compute_ms)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 
