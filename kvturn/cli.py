@@ -498,8 +498,7 @@ def plan(
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
                           budget_shares, reuse_target)
     report.print_plan(result, console)
-    json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
-    console.print(f"JSON: {json_path}\nHTML: {html_path}")
+    console.print(f"JSON: {report.write(result, out or Path('results') / f'plan-{workload.name}')}")
 
 
 models_app = typer.Typer(help="Real models: fetch one by name, or convert a local GGUF, into kvturn's cache.",

@@ -1,14 +1,10 @@
-"""A plan in the terminal, as plan.json and as one self-contained plan.html with its plot: the verdict first, then
-each leg (TTFT p50 as value (low-high) over the calibration's halves), the TTL x host-tier sweep, and what the
-model leaves out."""
-import html
+"""A plan in the terminal and as plan.json: the verdict first, then each leg (TTFT p50 as value (low-high) over the
+calibration's halves), the TTL x host-tier sweep, and what the model leaves out."""
 import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-
-from kvturn.bench.report import html_page, html_table, save_figure
 
 LEG_COLUMNS = ("leg", "TTFT p50 ms (halves' range)", "TTFT p90 ms", "later-turn TTFT p50 ms", "session p50 s",
                "peak pool MiB", "peak host MiB", "reuse share", "paths")
@@ -42,14 +38,10 @@ def sweep_rows(plan: dict) -> list[list[str]]:
             for p in plan["sweep"]["points"]]
 
 
-def tables(plan: dict) -> list[tuple[str, tuple, list]]:
-    return [("Predicted per leg", LEG_COLUMNS, leg_rows(plan)),
-            (f"TTL x host tier ({plan['sweep']['leg']})", SWEEP_COLUMNS, sweep_rows(plan))]
-
-
 def print_plan(plan: dict, console: Console) -> None:
     console.print(f"[bold]Verdict[/bold]: {plan['verdict']['text']}\n")
-    for title, columns, rows in tables(plan):
+    for title, columns, rows in (("Predicted per leg", LEG_COLUMNS, leg_rows(plan)),
+                                 (f"TTL x host tier ({plan['sweep']['leg']})", SWEEP_COLUMNS, sweep_rows(plan))):
         table = Table(title=title)
         for column in columns:
             table.add_column(column, justify="left" if column in ("leg", "paths") else "right")
@@ -60,35 +52,8 @@ def print_plan(plan: dict, console: Console) -> None:
     console.print(f"{plan['simulated_events']} events simulated in {plan['elapsed_s']:.1f} s")
 
 
-def plot_sweep(plan: dict, path: Path) -> Path:
-    """Peak retained KV (pool and host) against the reuse it keeps, a line per host tier, a point per TTL."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4))
-    points = plan["sweep"]["points"]
-    for host in dict.fromkeys(p["host_mib"] for p in points):
-        line = [((p["peak_pool_mib"] or 0) + (p["peak_host_mib"] or 0), p["reuse_share"] or 0, p["ttl_s"])
-                for p in points if p["host_mib"] == host]
-        ax.plot([x for x, _, _ in line], [y for _, y, _ in line], marker="o", label=f"host tier {host} MiB")
-        for x, y, ttl in line:
-            ax.annotate(f"{ttl:.0f} s", (x, y), fontsize=7)
-    ax.set(xlabel="peak retained KV, pool and host (MiB)", ylabel="share of later turns reusing KV",
-           title=f"TTL and host tier: memory against reuse ({plan['sweep']['leg']})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
-
-
-def write(plan: dict, out_dir: Path) -> tuple[Path, Path]:
+def write(plan: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / "plan.json"
     json_path.write_text(json.dumps(plan, indent=2, allow_nan=False))
-    body = f"<p class=verdict>{html.escape(plan['verdict']['text'])}</p>" + "".join(
-        f"<h2>{html.escape(title)}</h2>{html_table(columns, rows)}" for title, columns, rows in tables(plan))
-    body += (f"<h2>Deployment</h2>{html_table(('setting', 'value'), plan['deployment'].items())}<h2>Left out of "
-             f"the model</h2><ul>{''.join(f'<li>{html.escape(x)}</li>' for x in plan['left_out'])}</ul>")
-    html_path = out_dir / "plan.html"
-    plots = {"TTL x host tier": plot_sweep(plan, out_dir / "plan_sweep.png")}
-    html_path.write_text(html_page(f"kvturn plan: {plan['workload']['name']}", body, plots))
-    return json_path, html_path
+    return json_path
