@@ -29,10 +29,6 @@ MIN_PROMPT_SHARE = 0.25  # of a prompt step, the least left once the decodes bes
 SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps over its fit, kept for the simulation
 WorkerKind = Literal["prefill", "decode", "colocated"]
 WORKER_KINDS = ("prefill", "decode", "colocated")
-# The shapes measured at their most (new tokens of one prompt in a step, the tokens its step attends to, the
-# requests in a decode step, the batch times its longest context): beyond them the fits extrapolate.
-Shape = Literal["prompt_tokens", "prompt_context", "decode_batch", "decode_attended"]
-SEEN_SHAPES = ("prompt_tokens", "prompt_context", "decode_batch", "decode_attended")
 Ms = NonNegativeFloat
 ComputeTerms = tuple[Ms, Ms, Ms, Ms]  # (a, b, c, q): ms = a + b n + c n context / 1e3 + q n^2 / 2e3
 StepTerms = tuple[Ms, Ms, Ms]  # (a, b, k): ms = a + b batch + k batch longest context / 1e3
@@ -55,7 +51,6 @@ class Calibration(BaseModel):
     other_ms_per_request: dict[str, Ms] = {}  # ...and what each other request in flight per prompt worker adds,
     other_load_seen: Ms = 0.0  # up to the most the calibration run saw
     step_scatter: dict[WorkerKind, list[PositiveFloat]] = {}  # quantiles of prompt steps over the fit, median 1
-    seen: dict[Shape, PositiveFloat] = {}
     halves: list["Calibration"] = Field(default=[], max_length=2)
     source: str = ""
     samples: dict[str, int] = {}
@@ -134,7 +129,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
         scatter[kind] = [float(q) for q in np.clip(np.quantile(ratios / np.median(ratios), SCATTER_QUANTILES),
                                                    1e-3, 100.0)]
     return {"compute_fits": fits, "decode_step_fit": decode_step, "colocated_step_fit": colocated_step,
-            "decode_contention_ms": contention, "step_scatter": scatter, "seen": samples.seen(),
+            "decode_contention_ms": contention, "step_scatter": scatter,
             "samples": {"steps": samples.count(), **{kind: len(s) for kind, s in samples.prompts.items()}}}
 
 

@@ -19,7 +19,6 @@ REUSE_TARGET = 0.95
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
-BEYOND_SHARE = 0.1  # shapes simulated beyond the calibration's by more than this share are named in the verdict
 LEFT_OUT = (
     "contention between processes sharing cores beyond what the calibration run's own steps saw",
     "bandwidth shared by concurrent KV reads, and D's steps waiting for its read of P's prompt KV",
@@ -29,10 +28,6 @@ LEFT_OUT = (
     "an answer resent as other tokens than were generated (a continued prompt reuses its whole history), and the "
     "scatter of decode steps",
 )
-SHAPE_WORDS = {"prompt_tokens": "prompt steps compute up to {planned} new tokens of a prompt",
-               "prompt_context": "prompt steps attend to up to {planned} tokens",
-               "decode_batch": "decode steps run up to {planned} requests",
-               "decode_attended": "decode steps attend to up to {planned} tokens"}
 
 
 @dataclass(slots=True)
@@ -51,17 +46,6 @@ def candidate_leg(policy: str, prefix_caching_on_prefill: bool) -> str:
 
 def baseline_leg(prefix_caching_on_prefill: bool) -> str:
     return f"pd/P-cache-{'on' if prefix_caching_on_prefill else 'off'}"
-
-
-def beyond_calibration(predictions: dict[str, LegPrediction], calibration: Calibration) -> dict[str, dict]:
-    """The shapes the legs' simulated steps reached more than BEYOND_SHARE beyond the most the calibration
-    measured, where its fits extrapolate: {shape: {"planned", "calibrated"}}."""
-    beyond = {}
-    for shape, seen in calibration.seen.items():
-        planned = max((p.reached.get(shape, 0) for p in predictions.values()), default=0)
-        if planned > seen * (1 + BEYOND_SHARE):
-            beyond[shape] = {"planned": planned, "calibrated": seen}
-    return beyond
 
 
 def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
@@ -119,7 +103,7 @@ def speedup(baseline: LegPrediction, candidate: LegPrediction) -> float:
 
 
 def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, baseline: str, candidate: str,
-            calibration: Calibration, deployment: Deployment, answer: dict, beyond: dict) -> dict:
+            deployment: Deployment, answer: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
     about = f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns)"
     if workload.num_turns == len(workload.sessions):
@@ -139,10 +123,6 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
                      f"decode worker keeps {answer['reuse_target']:.0%} of the reuse ({answer['reuse_share']:.0%} of "
                      f"later turns) with the least memory: {answer['peak_pool_mib']:,.0f} MiB in pools, "
                      f"{answer['peak_host_mib']:,.0f} MiB in host tiers.")
-    if beyond:
-        shapes = [SHAPE_WORDS[shape].format(planned=f"{v['planned']:,.0f}") + f" (the calibration's "
-                  f"{v['calibrated']:,.0f})" for shape, v in beyond.items()]
-        words.append(f"The calibrated costs are extrapolated here: {'; '.join(shapes)}.")
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
             "speedup": ranges["speedup"]}
@@ -166,17 +146,14 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
     points = sweep(workload, candidate, deployment, calibration, ttls, host_shares, predictions[candidate])
     answer = retention_answer(points, reuse_target)
-    beyond = beyond_calibration(predictions, calibration)
     legs_out = {leg: {**predictions[leg].public(), "ttft_p50_ms_range": ranges["ttft_p50_ms"][leg][1:]}
                 for leg in chosen}
     return json_safe({
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients},
         "deployment": asdict(deployment),
-        "verdict": verdict(workload, predictions, ranges, baseline, candidate, calibration, deployment, answer,
-                           beyond),
+        "verdict": verdict(workload, predictions, ranges, baseline, candidate, deployment, answer),
         "retention": answer,
-        "beyond_calibration": beyond,
         "legs": legs_out,
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": calibration.model_dump(exclude={"halves"}),

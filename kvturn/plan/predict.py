@@ -37,7 +37,6 @@ class LegPrediction:
     turns: int
     events: int
     paths: dict = field(default_factory=dict)
-    reached: dict = field(default_factory=dict)  # calibration.SEEN_SHAPES at their most in the simulated steps
     retained_over_time: list = field(default_factory=list)  # [s, pool MiB, host MiB], all decode workers'
 
     def public(self) -> dict:
@@ -72,7 +71,7 @@ def predict(sim: Simulation) -> LegPrediction:
         max(pool + host for _, pool, host in over_time) * mib, max(pool for _, pool, _ in over_time) * mib,
         max(host for *_, host in over_time) * mib, sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        dict(Counter(r.path or "colocated" for r in sim.results)), dict(sim.reached),
+        dict(Counter(r.path or "colocated" for r in sim.results)),
         timeline(sim.retained_over_time, mib))
 
 
@@ -84,12 +83,10 @@ def replications(workload: Workload, calibration: Calibration) -> int:
 
 
 def median_of(runs: list[LegPrediction]) -> LegPrediction:
-    """Each figure of `runs` (simulations of one leg) as their median; the events of all of them, and the shapes
-    the steps of any of them reached."""
+    """Each figure of `runs` (simulations of one leg) as their median, and the events of all of them."""
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
                          runs[0].turns, sum(run.events for run in runs), paths,
-                         {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached},
                          runs[0].retained_over_time)
 
 

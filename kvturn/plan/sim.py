@@ -11,7 +11,7 @@ from kvturn import costmodel
 from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
 from kvturn.kv_transfer.params import HOST, POOL
-from kvturn.plan.calibration import SEEN_SHAPES, WORKER_KINDS, Calibration
+from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
@@ -160,7 +160,6 @@ class Simulation:
         self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
         self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
         self.results: list[TurnResult] = []
-        self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
@@ -174,16 +173,8 @@ class Simulation:
     def prompt_step_ms(self, loop: StepLoop, chunks: list[tuple[Job, int]]) -> float:
         """A step of `loop` computing the (job, new tokens) `chunks`, scattered as the calibration's steps of that
         kind were (steps of fixed times keep closed-loop sessions in a lockstep that a machine's scatter breaks)."""
-        reached = self.reached
-        for job, n in chunks:
-            reached["prompt_tokens"] = max(reached["prompt_tokens"], n)
-            reached["prompt_context"] = max(reached["prompt_context"], job.context + n)
         ms = self.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], loop.kind)
         return ms * self._draw(self._scatter[loop.kind]) if self._scatter[loop.kind] else ms
-
-    def reach_decode(self, batch: int, longest: int) -> None:
-        self.reached["decode_batch"] = max(self.reached["decode_batch"], batch)
-        self.reached["decode_attended"] = max(self.reached["decode_attended"], batch * longest)
 
     def at(self, time_s: float, action, *args) -> None:
         self._order += 1

@@ -76,17 +76,6 @@ class StepSamples:
     def count(self) -> int:
         return sum(map(len, self.prompts.values())) + sum(map(len, self.decodes.values()))
 
-    def seen(self) -> dict[str, float]:
-        """calibration.SEEN_SHAPES at their most, of those some step had."""
-        chunks = [chunk for steps in self.prompts.values() for step in steps for chunk in step.prompts]
-        batches = [(step.decodes, step.decode_longest) for steps in self.prompts.values() for step in steps]
-        batches += [(batch, longest) for decodes in self.decodes.values() for batch, longest, _, _ in decodes]
-        seen = {"prompt_tokens": max((n for n, _ in chunks), default=0),
-                "prompt_context": max((n + context for n, context in chunks), default=0),
-                "decode_batch": max((batch for batch, _ in batches), default=0),
-                "decode_attended": max((batch * longest for batch, longest in batches), default=0)}
-        return {shape: float(most) for shape, most in seen.items() if most >= 1}
-
 
 def half_of(items: list, half: int | None) -> list:
     """All of `items`, or one half of them (0 or 1) drawn at random, the same draw every time: steps in time order

@@ -133,7 +133,6 @@ class StepLoop:
             count, longest = self.decoding[0][0] - self.steps, self.longest
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
             self.segment = Segment(now, count, batch, longest, self._versions)
-            self.sim.reach_decode(batch, longest + count - 1)  # its last step
             self.steps_in_flight = count
             self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self._versions)
             return
@@ -145,7 +144,6 @@ class StepLoop:
         if batch:  # the decodes beside add their terms to the one forward pass
             beside = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.longest)
             ms += beside + self.sim.contention_ms(self) if beside else 0.0
-            self.sim.reach_decode(batch, self.longest)
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 
