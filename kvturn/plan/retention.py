@@ -1,7 +1,5 @@
-"""What workers keep between turns, as kvturn keeps it: a decode worker's retention leases (one per conversation,
-a newer turn's superseding the older, ended by the TTL, moved oldest-first to the host tier over the budget or when
-the pool needs room, dropped oldest-first when that is full too; kvturn/kv_transfer/leases.py, checked against it in
-tests/test_plan_engine_match.py) and a worker's prefix cache (least recently used evicted first)."""
+"""What workers keep between turns: a decode worker's retention leases, as kvturn/kv_transfer/leases.py keeps them
+(checked against it in tests/test_plan_engine_match.py), and a worker's prefix cache."""
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,15 +12,13 @@ class Lease:
     conversation: str
     tokens: int
     expiry_s: float
-    tier: str = POOL
     alive: bool = True
 
 
 class Leases:
-    """One decode worker's leases in tokens of KV, as kvturn/kv_transfer/leases.py keeps them: least recently made
-    first, each in the pool or the host tier. Over the pool's budget, or when the pool needs room, the oldest lease
-    in the pool moves whole to the host tier, whose own oldest are dropped to make room for it; a lease larger than
-    the whole host tier (or any, without one) is dropped instead."""
+    """One decode worker's leases in tokens of KV, oldest first, each in the pool or the host tier: a newer turn's
+    supersedes the older, the TTL ends them, and over the pool's budget, or when the pool needs room, the oldest in
+    the pool moves whole to the host tier (whose own oldest go to make room), or goes if the tier cannot hold it."""
 
     def __init__(self, budget_tokens: int | None, host_tokens: int, on_change: Callable[[str, int], None]):
         self.budget_tokens = budget_tokens  # in the pool
@@ -80,7 +76,6 @@ class Leases:
             self.drop(next(iter(host)))
         del pool[oldest.conversation]
         self._add(POOL, -oldest.tokens)
-        oldest.tier = HOST
         host[oldest.conversation] = oldest
         self._add(HOST, oldest.tokens)
         return True

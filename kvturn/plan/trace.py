@@ -1,16 +1,6 @@
-"""What `kvturn plan` simulates: sessions of turns, each turn reduced to the token counts and the think time that
-decide its cost. Read from anything `kvturn bench` replays (vLLM's multi-turn JSON or generator config, a
-kvturn_synthetic config, a built-in scenario) or from a JSONL trace of real traffic, one request a line, as
-`kvturn router --trace-out FILE` writes it:
-
-    {"timestamp": 1764547200.12, "conversation_id": "c1", "prompt_tokens": 5120, "output_tokens": 48,
-     "finished": 1764547201.9}
-
-`timestamp` is when the request arrived (seconds); `finished` (optional) when its answer ended, so that the think
-time before the next turn is known exactly; without it the think time is the gap between arrivals.
-`shared_tokens` (optional, a log that knows it) is how many leading tokens of the prompt are the previous turn's
-prompt and answer as generated; without it `continues` infers it from the lengths.
-"""
+"""What `kvturn plan` simulates: sessions of turns, each reduced to the token counts and think time that decide its
+cost, read from anything `kvturn bench` replays or from a JSONL trace of real traffic as `kvturn router --trace-out`
+writes it (the format: docs/planner.md)."""
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,11 +47,9 @@ class TraceError(ValueError):
 
 
 def continues(previous: TurnDemand, prompt_tokens: int) -> int:
-    """Tokens a prompt shares with the previous turn's prompt and answer, inferred from lengths alone: all of them
-    when it extends them (an agent's next turn); the previous prompt when it is shorter than that but not than the
-    previous prompt (the answer came back shorter than generated: a reasoning model's thinking dropped from the
-    history, a tokenizer that merges the answer's tokens); nothing when it is shorter than the previous prompt
-    (edited or truncated)."""
+    """Tokens a prompt shares with the previous turn's prompt and answer, from lengths alone: all of them when it
+    extends them; the previous prompt when the answer came back shorter (thinking dropped from the history);
+    nothing when it is shorter than the previous prompt (edited or truncated)."""
     history = previous.prompt_tokens + previous.output_tokens
     if prompt_tokens >= history:
         return history
@@ -123,14 +111,13 @@ def _record(data, where: str) -> TraceRecord:
 
 
 def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
-    """The leading tokens `record`'s prompt shares with the previous turn's prompt and answer: as the trace says,
-    within that history, or as `continues` infers; none for a conversation's first turn."""
+    """What `record`'s prompt shares with the previous turn's prompt and answer: as the trace says, within that
+    history, or as `continues` infers."""
     if not turns:
         return 0
-    previous = turns[-1]
     if record.shared_tokens is None:
-        return continues(previous, record.prompt_tokens)
-    return min(record.shared_tokens, previous.prompt_tokens + previous.output_tokens)
+        return continues(turns[-1], record.prompt_tokens)
+    return min(record.shared_tokens, turns[-1].prompt_tokens + turns[-1].output_tokens)
 
 
 def from_trace(path: Path) -> Workload:
@@ -181,20 +168,17 @@ def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: i
 
 
 def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> Workload:
-    """Any input `kvturn bench --workload` takes (its text counted in tokens by the model's tokenizer), or a JSONL
-    trace (by its .jsonl suffix, or JSON that is one trace record). `model_dir()` is called only for text to
-    tokenize: a trace counts tokens already, and needs no model (nor torch, which finding one imports)."""
+    """Any input `kvturn bench --workload` takes (its text counted by the model's tokenizer), or a JSONL trace
+    (.jsonl). `model_dir()` is called only for text to tokenize: a trace needs no model."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     if path.suffix == ".jsonl":
         return from_trace(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
-    if isinstance(data, dict) and "timestamp" in data:
-        return from_records(path.stem, [_record(data, str(path))], str(path))
     tokenizer = ChatTokenizer(model_dir())
     try:
         conversations = bench_workload.load_file(path, tokenizer, seed)
