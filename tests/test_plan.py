@@ -172,7 +172,8 @@ JUNK_STEPS = ["junk", [1.0, 2.0], {"start_s": 1.0}, served_step(float("nan"), 5.
 
 def test_a_step_in_service_that_is_not_a_plausible_one_is_left_out():
     assert [parse_step(raw) for raw in JUNK_STEPS] == [None] * len(JUNK_STEPS)
-    assert parse_step(served_step(1.0, 5.0, [[10, 0]], 2, 150, 100)) == Step(1.0, 5.0, ((10, 0),), 2, 150, 100)
+    assert parse_step(served_step(1.0, 5.0, [[10, 0]], 2, 150, 100)) == Step(
+        start_s=1.0, ms=5.0, cpu_ms=5.0, prompts=[[10, 0]], decodes=2, decode_context=150, decode_longest=100)
 
 
 def said(result) -> str:

@@ -4,54 +4,50 @@ steps on the same host, the router, the client, reads over NIXL), so the slowdow
 cost of starting idle are in the fits, on average, as the calibration run saw them."""
 import random
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvturn.costmodel.fits import plausible_step_ms
-from kvturn.plan.rows import busy_share, number_within
+from kvturn.plan.rows import busy_share
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
 MAX_TOKENS = 2**24  # of a context, or of a step
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
-    start_s: float
-    ms: float
-    prompts: tuple[tuple[int, int], ...]  # (new tokens, tokens of KV before them) of each prompt chunk
-    decodes: int
-    decode_context: int  # tokens of KV the decoding sequences attended to before the step, in all
-    decode_longest: int  # ...the most of them: a decode step's attention is padded to it
+class Step(BaseModel):
+    """A step as a worker's /kv/steps lists it: a start on the wall clock, whole token counts within a context's
+    reach, and between 10 ns and 10 s a token computed."""
+    model_config = ConfigDict(strict=True, frozen=True)
+    start_s: float = Field(ge=0.0, le=1e11)
+    ms: float = Field(ge=1e-3, le=6e5)
+    cpu_ms: float = Field(ge=0.0, le=6e5)
+    prompts: list[Annotated[list[Tokens], Field(min_length=2, max_length=2)]] = Field(max_length=4096)  # [n, context]
+    decodes: int = Field(ge=0, le=2**16)
+    decode_context: int = Field(ge=0)  # tokens of KV the decoding sequences attended to before the step, in all
+    decode_longest: Tokens  # ...the most of them: a decode step's attention is padded to it
+
+    @model_validator(mode="after")
+    def _plausible(self) -> "Step":
+        decodes, longest = self.decodes, self.decode_longest
+        if (longest >= 1) != (decodes >= 1) or not max(longest, decodes) <= self.decode_context <= decodes * longest \
+                or any(n < 2 for n, _ in self.prompts) or not plausible_step_ms(self.ms, sum(n for n, _ in self.prompts)
+                                                                                 + decodes):
+            raise ValueError("not a plausible step")
+        return self
 
     @property
     def interval(self) -> tuple[float, float]:
         return self.start_s, self.start_s + self.ms / 1e3
 
 
-def _count(value, most: int, least: int = 0) -> bool:
-    return type(value) is int and least <= value <= most
-
-
 def parse_step(raw) -> Step | None:
-    """A step as a worker's /kv/steps lists it, or None for anything that is not a plausible one: a start on the
-    wall clock, whole token counts within a context's reach, and between 10 ns and 10 s a token computed."""
-    if not isinstance(raw, dict):
+    """A step, or None for anything that is not a plausible one."""
+    try:
+        return Step.model_validate(raw)
+    except ValidationError:
         return None
-    start, ms, cpu_ms, prompts = raw.get("start_s"), raw.get("ms"), raw.get("cpu_ms"), raw.get("prompts")
-    decodes, context, longest = raw.get("decodes"), raw.get("decode_context"), raw.get("decode_longest")
-    if not number_within(start, 0.0, 1e11) or not number_within(ms, 1e-3, 6e5) or not number_within(cpu_ms, 0.0, 6e5):
-        return None
-    if not isinstance(prompts, list) or len(prompts) > 4096 or not _count(decodes, 2**16) or \
-            not _count(longest, MAX_TOKENS if decodes else 0, 1 if decodes else 0) or \
-            not _count(context, decodes * longest, max(longest, decodes)):
-        return None
-    chunks = []
-    for chunk in prompts:
-        if not isinstance(chunk, list) or len(chunk) != 2 or not _count(chunk[0], MAX_TOKENS, 2) or \
-                not _count(chunk[1], MAX_TOKENS):
-            return None
-        chunks.append((chunk[0], chunk[1]))
-    if not plausible_step_ms(ms, sum(n for n, _ in chunks) + decodes):
-        return None
-    return Step(float(start), float(ms), tuple(chunks), decodes, context, longest)
 
 
 def leg_steps(run: dict) -> dict[str, list[Step]]:
