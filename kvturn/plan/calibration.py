@@ -1,11 +1,8 @@
-"""The cost model `kvturn plan` simulates with, and the one way it is fitted: to a `kvturn bench --compare` run.
-
-Compute and decode step costs come from the forward steps every worker ran in service (the bench keeps each
-worker's /kv/steps; step_samples.py): prompt steps against the router's `ComputeFit` terms, decode steps against
-batch and padded context, each by least relative squares put through the median of its samples. The run's
-requests give the rest: KV bytes per token, NIXL read time per MiB each way, and per leg the time to first token
-that is neither compute, transfer nor a queue. The same fit of each half of the samples (drawn at random) is kept
-beside it, so that a plan can say how far its figures move with the samples it was fitted to."""
+"""The cost model `kvturn plan` simulates with, fitted one way: to a `kvturn bench --compare` run. Step costs come
+from the steps every worker ran in service (step_samples.py), each fit put through the median of its samples; the
+requests give KV bytes per token, read time per MiB each way, and per leg the time to first token outside compute,
+transfer and queues. The fit of each half of the samples (drawn at random) is kept beside it: a plan says how far
+its figures move with the samples it was fitted to."""
 import json
 from pathlib import Path
 from typing import Literal
@@ -13,13 +10,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, ValidationError, field_validator
 
-from kvturn.costmodel.fits import (
-    compute_terms,
-    fit_decode_steps,
-    fit_through_median,
-    line_through_medians,
-    median_ratio,
-)
+from kvturn.costmodel.fits import compute_terms, fit_decode_steps, fit_through_median, line_through_medians, \
+    median_ratio
 from kvturn.plan import step_samples
 from kvturn.plan.rows import in_flight, rows_of
 

@@ -1,7 +1,6 @@
-"""`kvturn plan`: simulate every leg on the workload, with the calibration and with each half of it (the range a
-figure moves in with the samples it was fitted to), sweep the candidate's TTL and host-tier budget, and turn the
-numbers into a verdict: does bidirectional transfer pay, from what history length, and what memory in which tier
-keeps the reuse it brings."""
+"""`kvturn plan`: simulate every leg with the calibration and with each of its halves (the range a figure moves
+in), sweep the candidate's TTL and host tier, and say whether bidirectional transfer pays and what memory in which
+tier keeps the reuse it brings."""
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -19,15 +18,7 @@ REUSE_TARGET = 0.95
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
-LEFT_OUT = (
-    "contention between processes sharing cores beyond what the calibration run's own steps saw",
-    "bandwidth shared by concurrent KV reads, and D's steps waiting for its read of P's prompt KV",
-    "preemption when a pool fills (leases move or go first), renewal of leases by reads, and the cost of reading "
-    "or restoring a lease from the host tier above the pool's",
-    "the router relearning costs from the workers' reports, and failures other than TTL, budget and threshold",
-    "an answer resent as other tokens than were generated (a continued prompt reuses its whole history), and the "
-    "scatter of decode steps",
-)
+LEFT_OUT = "docs/planner.md, 'What the model leaves out'"
 
 
 @dataclass(slots=True)
@@ -157,7 +148,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "legs": legs_out,
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
         "calibration": calibration.model_dump(exclude={"halves"}),
-        "left_out": list(LEFT_OUT),
+        "left_out": LEFT_OUT,
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
     })

@@ -48,7 +48,7 @@ def print_plan(plan: dict, console: Console) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
-    console.print("Left out of the model: " + "; ".join(plan["left_out"]) + ".")
+    console.print(f"What the model leaves out: {plan['left_out']}.")
     console.print(f"{plan['simulated_events']} events simulated in {plan['elapsed_s']:.1f} s")
 
 
