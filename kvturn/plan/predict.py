@@ -3,7 +3,6 @@ a small workload simulated again with other draws of its steps' scatter, a large
 import multiprocessing
 import os
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,24 +95,12 @@ def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: 
     return runs[0] if len(runs) == 1 else median_of(runs)
 
 
-_shared: tuple = ()  # (workload, calibration), inherited by forked workers rather than pickled to each
-
-
-def _share(workload: Workload, calibration: Calibration) -> None:
-    global _shared
-    _shared = (workload, calibration)
-
-
-def _simulate_shared(job: tuple[str, Deployment]) -> LegPrediction:
-    return simulate(_shared[0], LEGS[job[0]], job[1], _shared[1])
-
-
 def simulate_many(workload: Workload, calibration: Calibration,
                   jobs: list[tuple[str, Deployment]]) -> list[LegPrediction]:
     """Each (leg name, deployment) simulated, in order; a large workload's on every core."""
+    runs = [(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
     cores = os.cpu_count() or 1
     if len(jobs) < 2 or cores < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
-        return [simulate(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
-    with ProcessPoolExecutor(min(cores, len(jobs)), mp_context=multiprocessing.get_context("fork"),
-                             initializer=_share, initargs=(workload, calibration)) as pool:
-        return list(pool.map(_simulate_shared, jobs))
+        return [simulate(*run) for run in runs]
+    with multiprocessing.get_context("fork").Pool(min(cores, len(jobs))) as pool:
+        return pool.starmap(simulate, runs)
