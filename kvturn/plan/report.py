@@ -48,6 +48,10 @@ def print_plan(plan: dict, console: Console) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    over_time = plan["legs"][plan["sweep"]["leg"]]["retained_over_time"]
+    points = over_time[::max(len(over_time) // 8, 1)]
+    console.print(f"Retained KV on {plan['sweep']['leg']} over time, pool + host MiB: " + ", ".join(
+        f"{s:.0f} s {pool:.0f} + {host:.0f}" for s, pool, host in points))
     console.print(f"What the model leaves out: {plan['left_out']}.")
     console.print(f"{plan['simulated_events']} events simulated in {plan['elapsed_s']:.1f} s")
 
