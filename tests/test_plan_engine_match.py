@@ -30,15 +30,15 @@ LIMITS = [dict(max_num_seqs=4, max_num_batched_tokens=512, prefill_pack_tokens=2
 
 
 def engine_prompt_steps(limits: dict) -> list[tuple]:
-    """Each step with prompt tokens in it, as the engine's Scheduler makes it: ((name, tokens) of each prompt,
-    decodes beside). The first request arrives alone and the others while its first step runs."""
+    """Each step with prompt tokens in it, as the engine's Scheduler makes it: (steps with decodes before it, (name,
+    tokens) of each prompt, decodes beside). The first request arrives alone, the others while its first step runs."""
     scheduler = Scheduler(BlockManager(4096, BLOCK, enable_prefix_caching=False), limits["max_num_seqs"],
                           limits["max_num_batched_tokens"], reclaim_retained=lambda: False,
                           prefill_pack_tokens=limits["prefill_pack_tokens"])
     sequences = [Sequence(name, [1000 * i + t for t in range(prompt)], SamplingParams(max_tokens=out))
                  for i, (name, prompt, out) in enumerate(REQUESTS)]
     scheduler.add(sequences[0])
-    steps, first = [], True
+    steps, first, decoded = [], True, 0
     while scheduler.has_work():
         batch = scheduler.schedule(lambda seq, hashes: None)
         if first:
@@ -47,7 +47,8 @@ def engine_prompt_steps(limits: dict) -> list[tuple]:
             first = False
         prompts = [(seq.request_id, n) for seq, n in batch if seq.num_output_tokens == 0]
         if prompts:
-            steps.append((sorted(prompts), len(batch) - len(prompts)))
+            steps.append((decoded, sorted(prompts), len(batch) - len(prompts)))
+        decoded += len(batch) > len(prompts)
         for seq, n in batch:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq):  # the step sampled its next token
@@ -65,7 +66,7 @@ class Recording(Simulation):
         self.prompt_steps: list[tuple] = []
 
     def prompt_step_ms(self, loop, chunks: list) -> float:
-        self.prompt_steps.append((sorted((job.flight, n) for job, n in chunks), len(loop.decoding)))
+        self.prompt_steps.append((loop.steps, sorted((job.flight, n) for job, n in chunks), len(loop.decoding)))
         return super().prompt_step_ms(loop, chunks)
 
 
