@@ -198,6 +198,13 @@ def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible(cost_model
     assert model.kv_bytes_per_token == cost_model.kv_bytes_per_token
     for kind, terms in cost_model.compute_fits.items():
         assert model.compute_fits[kind] == pytest.approx(terms)
+    for run in results["legs"].values():  # a byte a read: a fit no saved calibration may hold is refused by name
+        for request in run["requests"]:
+            if isinstance(request, dict) and request.get("bytes_d_to_p"):
+                request["bytes_d_to_p"] = 1
+    (tmp_path / "tiny.json").write_text(json.dumps(results))
+    with pytest.raises(calibration.CalibrationError, match=r"tiny\.json: .*malformed calibration: kv_bytes_per_token"):
+        calibration.load(tmp_path / "tiny.json")
 
 
 def test_the_calibration_is_the_fit_of_the_workers_steps_in_service(cost_model, tmp_path):

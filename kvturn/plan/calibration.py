@@ -177,10 +177,19 @@ def fitted(runs: list[dict], source: str = "") -> Calibration:
         steps = step_fits(legs, half)
         return {**steps, **request_fields(runs, half), "samples": {**steps["samples"], "requests": requests}}
     try:
-        halves = [Calibration(**fields(half), source=f"{source} (half {half + 1})") for half in (0, 1)]
+        halves = [validated({**fields(half), "source": f"{source} (half {half + 1})"}) for half in (0, 1)]
     except CalibrationError:
         halves = []  # too few samples to fit each half apart
-    return Calibration(**fields(None), halves=halves, source=source)
+    return validated({**fields(None), "halves": halves, "source": source})
+
+
+def validated(fields: dict, where: str = "the fit") -> Calibration:
+    """A Calibration, or a CalibrationError naming each field its schema refuses (a fit of an odd run as a file)."""
+    try:
+        return Calibration.model_validate(fields)
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise CalibrationError(f"{where}: malformed calibration: {errors}") from None
 
 
 def _read_json(path: Path):
@@ -202,11 +211,7 @@ def load(path: Path) -> Calibration:
         raise CalibrationError(f"{path}: a calibration of schema version {data.get('schema_version')!r}, and this "
                                f"kvturn reads version {SCHEMA_VERSION}: calibrate again (kvturn plan --calibration "
                                "RESULTS.json --save-calibration FILE)")
-    try:
-        return Calibration.model_validate({k: v for k, v in data.items() if k != "kind"})
-    except ValidationError as exc:
-        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise CalibrationError(f"{path}: malformed calibration: {errors}") from None
+    return validated({k: v for k, v in data.items() if k != "kind"}, str(path))
 
 
 def load_many(paths: list[Path | str]) -> Calibration:
