@@ -492,6 +492,16 @@ def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     assert "halves" not in saved["calibration"]
 
 
+def test_a_plan_says_when_its_prompts_reach_beyond_the_calibrations_longest_step(cost_model):
+    workload = agent_sessions(4, 3)  # prompts of 3000-3755 tokens
+    assert cost_model.context_seen == 7350  # P's (350, 7000) chunk
+    said = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    assert "extrapolate" not in said["verdict"]["text"]
+    short = cost_model.model_copy(update={"context_seen": 1000, "halves": []})
+    said = planner.plan(workload, short, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    assert "reach 3,755 tokens, beyond the 1,000" in said["verdict"]["text"]
+
+
 def test_the_router_traces_each_finished_turn_for_the_planner(tiny_model_dir, tmp_path):
     path = tmp_path / "trace.jsonl"
     with LocalStack(tiny_model_dir, kv_cache_mb=64, router_args=["--trace-out", str(path)],

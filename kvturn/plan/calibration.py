@@ -43,6 +43,7 @@ class Calibration(BaseModel):
     other_ms_per_request: dict[str, Ms] = {}  # ...and what each other request in flight per prompt worker adds,
     other_load_seen: Ms = 0.0  # up to the most the calibration run saw
     step_scatter: dict[WorkerKind, list[PositiveFloat]] = {}  # quantiles of prompt steps over the fit, median 1
+    context_seen: int = 0  # the most tokens a prompt step attended to (its context and itself): beyond, fits guess
     halves: list["Calibration"] = Field(default=[], max_length=2)
     source: str = ""
     samples: dict[str, int] = {}
@@ -122,6 +123,8 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
                                                    1e-3, 100.0)]
     return {"compute_fits": fits, "decode_step_fit": decode_step, "colocated_step_fit": colocated_step,
             "decode_contention_ms": contention, "step_scatter": scatter,
+            "context_seen": max((n + context for steps in samples.prompts.values() for s in steps
+                                 for n, context in s.prompts), default=0),
             "samples": {"steps": samples.count(), **{kind: len(s) for kind, s in samples.prompts.items()}}}
 
 

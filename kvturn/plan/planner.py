@@ -15,6 +15,7 @@ from kvturn.plan.trace import Workload
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
 HOST_SHARES = (0.25, 0.5, 1.0)  # host-tier budgets swept beside the deployment's own: shares of the peak retained
 REUSE_TARGET = 0.95
+EXTRAPOLATED = 1.1  # prompts longer than this times the calibration's longest prompt step are said to extrapolate
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
@@ -94,7 +95,7 @@ def speedup(baseline: LegPrediction, candidate: LegPrediction) -> float:
 
 
 def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, baseline: str, candidate: str,
-            deployment: Deployment, answer: dict) -> dict:
+            calibration: Calibration, deployment: Deployment, answer: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
     about = f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns)"
     if workload.num_turns == len(workload.sessions):
@@ -109,6 +110,10 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
     words.append(f"With TTL {deployment.decoder_kv_blocks_ttl_s:.0f} s decode workers hold up to "
                  f"{cand.peak_pool_mib:,.0f} MiB of retained KV in their pools and {cand.peak_host_mib:,.0f} MiB in "
                  f"host tiers.")
+    longest = max((t.prompt_tokens for s in workload.sessions for t in s.turns), default=0)
+    if longest > EXTRAPOLATED * calibration.context_seen:
+        words.append(f"Its prompts reach {longest:,} tokens, beyond the {calibration.context_seen:,} the calibration's "
+                     f"prompt steps attended to: the fits extrapolate, and the ranges do not say by how much.")
     if "ttl_s" in answer and answer["best_reuse_share"] > 0:
         words.append(f"TTL {answer['ttl_s']:.0f} s with a host tier of {answer['host_mib_per_decode']} MiB per "
                      f"decode worker keeps {answer['reuse_target']:.0%} of the reuse ({answer['reuse_share']:.0%} of "
@@ -143,7 +148,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients},
         "deployment": asdict(deployment),
-        "verdict": verdict(workload, predictions, ranges, baseline, candidate, deployment, answer),
+        "verdict": verdict(workload, predictions, ranges, baseline, candidate, calibration, deployment, answer),
         "retention": answer,
         "legs": legs_out,
         "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
