@@ -1,5 +1,5 @@
 """`kvturn plan` at a scale this machine cannot serve: 10,000 agent sessions x 20 turns over 64 prefill and 64 decode
-workers, timed end to end (reading the trace, simulating, writing plan.json and plan.html).
+workers, timed end to end (reading the trace, simulating, writing plan.json).
 
 The trace is seeded: sessions start uniformly over an hour; first prompts 1k-8k tokens; each turn adds its answer
 (16-128 tokens) and 50-400 new tokens; think time between turns exponential with a 30 s mean.
@@ -44,7 +44,8 @@ def main() -> None:
     requests = write_trace(trace, args.sessions, args.turns, seed=0)
     command = [sys.executable, "-m", "kvturn.cli", "plan", "--workload", str(trace), "--calibration",
                str(args.calibration), "--prefill", "64", "--decode", "64", "--kv-cache-mb", "16384",
-               "--legs", "pd/P-cache-on,bidir/P-cache-on", "--ttls", args.ttls, "--budgets", "", "--out", str(args.out)]
+               "--legs", "pd/P-cache-on,bidir/P-cache-on", "--ttls", args.ttls, "--host-budgets", "", "--out",
+               str(args.out)]
     started = time.perf_counter()
     subprocess.run(command, check=True)
     elapsed = time.perf_counter() - started

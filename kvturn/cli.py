@@ -410,14 +410,10 @@ def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
                                                                           "JSONL trace (kvturn router --trace-out)"),
     scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
-    calibration_files: list[str] = typer.Option(..., "--calibration", metavar="FILE|URL",
-                                                help="a kvturn bench results JSON from this hardware, or a saved "
-                                                "--save-calibration; give it again to pool several bench runs. Or "
-                                                "running workers' URLs (a prefill and a decode worker at least), "
-                                                "fitted to their steps in service"),
-    cluster_secret: Optional[str] = typer.Option(None, envvar="KVTURN_CLUSTER_SECRET",
-                                                 help="the cluster's secret, for workers given by URL to tell their "
-                                                      "steps in service"),
+    calibration_files: list[Path] = typer.Option(..., "--calibration", metavar="FILE",
+                                                 help="a kvturn bench --compare results JSON from this hardware "
+                                                 "(fitted to its workers' steps in service), or a saved "
+                                                 "--save-calibration; give it again to pool several bench runs"),
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
@@ -426,8 +422,10 @@ def plan(
     legs: str = typer.Option(",".join(["colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on",
                                        "bidir/P-cache-off", "compute-on-D", "adaptive"]), help="legs to predict"),
     ttls: str = typer.Option("60,120,240,480", help="decode TTLs to sweep, s (the deployment's own is added)"),
-    budgets: str = typer.Option("0.5,0.25", help="retention budgets to sweep beside the deployment's own, as shares "
-                                                 "of the peak retained KV ('' for none)"),
+    host_budgets: str = typer.Option("0.25,0.5,1", help="host tiers to sweep beside the deployment's own, as shares "
+                                                        "of one decode worker's peak retained KV ('' for none)"),
+    reuse_target: float = typer.Option(0.95, help="the share of the sweep's best reuse the TTL and host tier "
+                                                  "answered must keep"),
     sessions: Optional[int] = typer.Option(None, help="sessions replayed at once (default: the scenario's; a trace "
                                                       "keeps its own start times)"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
@@ -438,14 +436,16 @@ def plan(
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
     decoder_kv_blocks_ttl_s: float = option(ConnectorConfig, "decoder_kv_blocks_ttl_s"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
+    retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     model: Optional[Path] = ModelOption,
     save_calibration: Optional[Path] = typer.Option(None, help="write the fitted cost model here, to reuse"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/plan-WORKLOAD)"),
 ):
     """Predict, from a workload or a trace of real traffic, whether bidirectional KV transfer pays on this
-    deployment, which path, and what TTL and retention memory: a discrete-event simulation calibrated by a short
-    kvturn bench run on your hardware (or several, pooled)."""
+    deployment, which path, and what TTL and memory per tier (pool, host) keep its reuse: a discrete-event
+    simulation calibrated by a short kvturn bench --compare run on your hardware (or several, pooled). Figures the
+    calibration is unsure of print as value (low-high): the same plan from each half of its samples."""
     import sys
 
     from rich.console import Console
@@ -463,23 +463,23 @@ def plan(
     chosen = chosen_legs(legs)
     try:
         ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
-        budget_shares = tuple(float(b) for b in budgets.split(",") if b.strip())
+        budget_shares = tuple(float(b) for b in host_budgets.split(",") if b.strip())
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    if any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1:
-        raise typer.BadParameter("worker counts must be positive, budget shares within (0, 1]")
+    if any(not 0 < b <= 1 for b in budget_shares) or prefill < 1 or decode < 1 or not 0 < reuse_target <= 1:
+        raise typer.BadParameter("worker counts must be positive, host budget shares and --reuse-target within (0, 1]")
     if (sessions is not None and sessions < 1) or turns < 1 or max_prompt_tokens < 1:
         raise typer.BadParameter("--sessions, --turns and --max-prompt-tokens must be at least 1")
     # The deployment's settings as the workers would take them: a worker refuses what the plan would misplan
     connector = build(ConnectorConfig, decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
-                      retained_kv_budget_mb=retained_kv_budget_mb,
+                      retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
                       kv_recompute_threshold_tokens=kv_recompute_threshold_tokens)
     build(EngineConfig, kv_cache_mb=kv_cache_mb)
     if any(not connector.kv_expiry_margin_s < t < float("inf") for t in [*ttl_values, decoder_kv_blocks_ttl_s]):
         raise typer.BadParameter(f"--ttls and --decoder-kv-blocks-ttl-s must be finite and above the lease expiry "
                                  f"margin ({connector.kv_expiry_margin_s:g} s), or no retained KV is ever read")
     try:
-        cost_model = calibration.load_many(calibration_files, cluster_secret or None)
+        cost_model = calibration.load_many(calibration_files)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
@@ -491,16 +491,16 @@ def plan(
         cost_model.save(save_calibration)
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
                             decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
+                            retained_kv_budget_mb=retained_kv_budget_mb,
                             kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
     if scenario:
         deployment = planner.with_scenario(deployment, SCENARIOS[scenario])
     # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep
-    deployment = planner.sweep_settings(deployment, deployment.decoder_kv_blocks_ttl_s, retained_kv_budget_mb)
+    deployment = planner.sweep_settings(deployment, deployment.decoder_kv_blocks_ttl_s, retained_host_mb)
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
-                          budget_shares)
+                          budget_shares, reuse_target)
     report.print_plan(result, console)
-    json_path, html_path = report.write(result, out or Path("results") / f"plan-{workload.name}")
-    console.print(f"JSON: {json_path}\nHTML: {html_path}")
+    console.print(f"JSON: {report.write(result, out or Path('results') / f'plan-{workload.name}')}")
 
 
 models_app = typer.Typer(help="Real models: fetch one by name, or convert a local GGUF, into kvturn's cache.",

@@ -10,13 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from chat import conversation, metric, send, user_message
-from kvturn.cli import app
 from kvturn.config import SERVER_KEEP_ALIVE_S
 from kvturn.launch import LocalStack
-from kvturn.plan import calibration, planner, trace
+from kvturn.plan import trace
 from kvturn.router.upstream import IDLE_CONNECTION_S
 
 BLOCK_BYTES = 4 * 2 * 16 * 2 * 64 * 4  # tiny model: layers * (k, v) * block_size * kv_heads * head_dim * fp32
@@ -204,32 +202,6 @@ def test_bench_cli_measures_reuse_against_the_router(stacks, tiny_model_dir, tmp
     assert max(b for _, b in leg["retained_kv"]) > 0
     for name in ("report.html", "ttft_vs_prompt.png", "prefill_split.png", "session_time.png", "retained_kv.png"):
         assert (out / name).stat().st_size > 1000, name
-
-
-def test_kvturn_plan_calibrates_from_the_running_workers_urls(stacks, tmp_path):
-    """`kvturn plan --calibration URL` on a live P and D: their steps in service, KV bytes a token and NIXL reads
-    make the cost model with no bench run; the steps are the cluster's own, so without its secret nothing is read."""
-    stack = stacks["bidir"]
-    conversation(stack.url, 5, conversation_id="plan-from-workers")
-    urls = [stack.urls["prefill"], stack.urls["decode0"]]
-    model = calibration.load_many(urls, stack.cluster_secret)
-    assert model.kv_bytes_per_token == BLOCK_BYTES / 16
-    assert model.read_ms_per_mib["d_to_p"] > 0 and model.read_ms_per_mib["p_to_d"] > 0
-    assert model.prefill_ms(512, 0) > model.prefill_ms(64, 0) > 0
-    assert model.decode_steps_ms("decode", 1, 1, 600, 600) > 0 and model.seen["decode_batch"] >= 1
-    assert model.other_ms == {} and model.source == ", ".join(urls)
-    out, saved = tmp_path / "plan", tmp_path / "from-workers.json"
-    args = ["plan", "--scenario", "sweep", "--turns", "2", "--max-prompt-tokens", "1024", "--legs",
-            "pd/P-cache-off,bidir/P-cache-off", "--ttls", "60", "--budgets", "", "--out", str(out),
-            "--save-calibration", str(saved), *(arg for url in urls for arg in ("--calibration", url))]
-    run = CliRunner().invoke(app, args, env={"KVTURN_CLUSTER_SECRET": stack.cluster_secret})
-    assert run.exit_code == 0, run.output
-    plan = json.loads((out / "plan.json").read_text())
-    assert plan["verdict"]["text"].endswith(planner.OTHER_UNMEASURED)
-    assert plan["legs"]["bidir/P-cache-off"]["ttft_p50_ms"] > 0
-    assert calibration.load(saved).source == ", ".join(urls)
-    refused = CliRunner().invoke(app, args, env={"KVTURN_CLUSTER_SECRET": ""})
-    assert refused.exit_code == 2 and "cluster members" in " ".join(refused.output.split())
 
 
 def connect(url: str) -> socket.socket:

@@ -39,8 +39,8 @@ def worker_replies(stack: LocalStack, path: str, **request) -> dict[str, dict | 
 
 
 def worker_calibration(stack: LocalStack) -> dict[str, list]:
-    """Each worker's start-up prefill steps (GET /kv/calibration), by role: `kvturn plan` fits them beside the
-    requests, as prompts timed alone."""
+    """Each worker's start-up prefill steps (GET /kv/calibration), by role, kept in results.json as prompts timed
+    alone (`kvturn plan` fits the steps in service instead)."""
     steps = {}
     for name, reply in worker_replies(stack, "/kv/calibration", timeout=10).items():
         if reply is not None and isinstance(reply.get("prefill_steps"), list):

@@ -161,3 +161,55 @@ class Mean:
     @property
     def value(self) -> float:
         return sum(self.values) / len(self.values) if self.values else self.prior
+
+
+def median_ratio(measured: np.ndarray, fitted: np.ndarray) -> float:
+    """The median of measured over fitted where the fit is positive (1 with none): the factor that puts a fit
+    through the median of its samples."""
+    positive = fitted > 0
+    return float(np.median(measured[positive] / fitted[positive])) if positive.any() else 1.0
+
+
+def fit_through_median(x: np.ndarray, ms: np.ndarray, active: list[int] | None = None) -> np.ndarray:
+    """Least relative squares of `ms` on the columns `active` of x (all by default), none negative, scaled so that
+    half the samples ran slower than the fit and half faster: least relative squares come out low when times
+    scatter, and a plan predicts medians."""
+    active = list(range(x.shape[1])) if active is None else active
+    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
+    return coefficients * median_ratio(ms, x @ coefficients)
+
+
+def line_through_medians(samples: list[tuple[int, float]], min_samples: int = MIN_SAMPLES
+                         ) -> tuple[float, float, int]:
+    """(value at 0, what each unit of x adds, the largest x fitted) of a line through the median of y at each x
+    that `min_samples` samples or more share, weighed by the root of their number, none negative. With fewer than
+    two such x, the median of all and a slope of 0."""
+    by_x: dict[int, list[float]] = {}
+    for x, y in samples:
+        by_x.setdefault(x, []).append(y)
+    xs = [x for x in sorted(by_x) if len(by_x[x]) >= min_samples]
+    if len(xs) < 2:
+        return float(np.median([y for _, y in samples])) if samples else 0.0, 0.0, max(xs, default=0)
+    weights = np.sqrt([len(by_x[x]) for x in xs])
+    medians = np.array([np.median(by_x[x]) for x in xs])
+    design = np.array([[1.0, x] for x in xs]) * weights[:, None]
+    at_zero, slope = nonnegative_lstsq(design, medians * weights, [0, 1])
+    return float(at_zero), float(slope), xs[-1]
+
+
+def compute_terms(chunks) -> np.ndarray:
+    """`ComputeFit`'s terms of the (new tokens, context) prompt chunks one step computed: the fixed cost once."""
+    terms = sum((ComputeFit.terms(n, context) for n, context in chunks), np.zeros(4))
+    terms[0] = 1.0
+    return terms
+
+
+def fit_decode_steps(samples: list[tuple[int, int, float, float]], min_batch_spread: float = 2.0
+                     ) -> tuple[tuple[float, float, float], float]:
+    """((a, b, k), extra) of decode steps' ms = a + b batch + k batch longest / 1e3 + extra busy, from (batch,
+    longest context, share of the step something else ran beside, ms): an engine pads a decode step's attention to
+    its longest context. Batches that varied less than `min_batch_spread` cannot tell b from k, and b is left 0."""
+    x = np.array([[1.0, batch, batch * longest / 1e3, busy] for batch, longest, busy, _ in samples])
+    active = [0, 1, 2, 3] if np.ptp(x[:, 1]) >= min_batch_spread else [0, 2, 3]
+    c = fit_through_median(x, np.array([ms for *_, ms in samples]), active)
+    return (float(c[0]), float(c[1]), float(c[2])), float(c[3])

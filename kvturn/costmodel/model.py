@@ -4,8 +4,8 @@ much of a lease the next prompt shares). The router learns it from its turns; th
 calibration and runs the same code on a simulated clock."""
 from collections import deque
 
-from kvturn.costmodel.fits import (CALIBRATION_WORKERS, MAX_CALIBRATION_STEPS, PRIOR, ComputeFit, Mean, Typical,
-                                   calibration_step)
+from kvturn.costmodel.fits import (CALIBRATION_WORKERS, MAX_CALIBRATION_STEPS, MIN_SAMPLES, PRIOR, ComputeFit, Mean,
+                                   Typical, calibration_step)
 from kvturn.costmodel.reports import own_read_ms, shared_steps
 from kvturn.costmodel.tokens import TokenEstimator
 
@@ -37,6 +37,25 @@ class CostModel:
         # shapes of turn, miss for this path's own (contention on shared cores, for one).
         self.correction = {path: Typical(1.0, deque(maxlen=16)) for path in PATHS}
         self.turns_since_chosen = {path: 0 for path in PATHS}  # adaptive explores what it has not measured lately
+
+    @classmethod
+    def calibrated(cls, compute_fits: dict, read_ms_per_mib: dict, bytes_per_token: float,
+                   other_ms: dict) -> "CostModel":
+        """The model as it stands once measured: each compute fit (per role, (a, b, c, q)) through points of its
+        own, each read rate ("d_to_p", "p_to_d") and the KV bytes per token as MIN_SAMPLES samples, and each path's
+        time outside compute and transfer (the planner runs the router's code from a calibration so)."""
+        model = cls()
+        for role, terms in compute_fits.items():
+            fit = model.prefill[role] = ComputeFit(terms)
+            for new, context in ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192)):
+                fit.add(new, context, max(fit.predict(new, context), 1e-3))
+        for measured, value in ((model.read_ms_per_mib, read_ms_per_mib["d_to_p"]),
+                                (model.handoff_read_ms_per_mib, read_ms_per_mib["p_to_d"]),
+                                (model.bytes_per_token, bytes_per_token)):
+            for _ in range(MIN_SAMPLES):
+                measured.add(value)
+        model.other_ms.update({path: Typical(ms) for path, ms in other_ms.items()})
+        return model
 
     def observe_turn(self, choice, actual_ms: float, explained_ms: float, shared: bool = False) -> None:
         """Learn from a finished turn's time to first token, of which `explained_ms` was compute and transfer

@@ -8,7 +8,7 @@ lock file): two timing their steps at once would each measure the other's load, 
 with the worker's NIXL agent started, as in service: without its threads they ran 5-8% faster.
 
 The steps run back to back. A served turn often starts on a worker that sat idle, its caches holding what ran
-meanwhile, and runs slower; kvturn plan measures by how much from a bench run's requests (plan/fit.py).
+meanwhile, and runs slower; kvturn plan fits the steps a worker ran in service instead, which hold that.
 """
 import fcntl
 import logging

@@ -1,17 +1,24 @@
-"""What one leg's simulation predicts: the figures `kvturn bench` measures, from the simulated turns; several
-simulations of a large workload at once on the machine's cores."""
+"""What one leg's simulation predicts: the figures `kvturn bench` measures, and retained KV per tier over time;
+a small workload simulated again with other draws of its steps' scatter, a large one's legs on every core."""
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvturn.bench.catalog import LEGS, Leg
-from kvturn.plan.calibration import Calibration
-from kvturn.plan.fit import WORKER_KINDS
+from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.trace import Workload
+
+TIMELINE_POINTS = 48  # of retained KV over time in plan.json, each the most of its span of time
+# A workload of fewer turns is simulated again, an odd number of times up to MAX_REPLICATIONS, and each figure is
+# the median: a few dozen turns' p50 moves with which of them queued, as a bench run's does.
+SCATTER_TURNS, MAX_REPLICATIONS = 2000, 31
+PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
+FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
+           "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")
 
 
 @dataclass(slots=True)
@@ -21,52 +28,50 @@ class LegPrediction:
     ttft_p90_ms: float
     later_ttft_p50_ms: float
     session_p50_s: float
-    peak_retained_mib: float  # all decode workers' together
-    peak_retained_mib_per_decode: float  # the decode worker that held the most: what a budget (per worker) caps
+    peak_retained_mib: float  # all decode workers' together, both tiers
+    peak_pool_mib: float
+    peak_host_mib: float
+    peak_retained_mib_per_decode: float  # in the pool of the decode worker that held the most: what a budget caps
     reuse_share: float  # later turns whose history KV came from a decode worker's retention
     turns: int
     events: int
     paths: dict = field(default_factory=dict)
-    reached: dict = field(default_factory=dict)  # fit.SEEN_SHAPES at their most in the simulated steps
+    retained_over_time: list = field(default_factory=list)  # [s, pool MiB, host MiB], all decode workers'
 
     def public(self) -> dict:
         """The leg as plan.json shows it."""
-        return {"ttft_p50_ms": self.ttft_p50_ms, "ttft_p90_ms": self.ttft_p90_ms,
-                "later_ttft_p50_ms": self.later_ttft_p50_ms, "session_p50_s": self.session_p50_s,
-                "peak_retained_mib": self.peak_retained_mib,
-                "peak_retained_mib_per_decode": self.peak_retained_mib_per_decode, "reuse_share": self.reuse_share,
-                "paths": self.paths}
+        return {name: getattr(self, name) for name in (*FIGURES, "paths", "retained_over_time")}
 
 
 def _percentile(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else float("nan")
 
 
+def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[float]]:
+    """(s, pool tokens, host tokens) at each change as at most TIMELINE_POINTS [s, pool MiB, host MiB], each the
+    most of its span (no peak is lost)."""
+    end, spans = (points[-1][0] or 1.0) if points else 1.0, {}
+    for s, pool, host in points:
+        span = min(int(s / end * TIMELINE_POINTS), TIMELINE_POINTS - 1)
+        most = spans.setdefault(span, [span * end / TIMELINE_POINTS, 0.0, 0.0])
+        most[1], most[2] = max(most[1], pool * mib), max(most[2], host * mib)
+    return list(spans.values())
+
+
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
-
-    def mib(tokens: int) -> float:
-        return tokens * sim.calibration.kv_bytes_per_token / 2**20
-    ttft = [r.ttft_ms for r in sim.results]
-    later = [r for r in sim.results if r.turn > 0]
+    mib = sim.calibration.kv_bytes_per_token / 2**20
+    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.turn > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
-    path_counts: dict[str, int] = {}
-    for r in sim.results:
-        path_counts[r.path or "colocated"] = path_counts.get(r.path or "colocated", 0) + 1
+    over_time = sim.retained_over_time or [(0.0, 0, 0)]
     return LegPrediction(
         sim.leg.name, _percentile(ttft, 50), _percentile(ttft, 90), _percentile([r.ttft_ms for r in later], 50),
-        _percentile(sessions, 50), mib(sim.peak_retained_tokens), mib(sim.peak_worker_retained_tokens),
+        _percentile(sessions, 50),
+        max(pool + host for _, pool, host in over_time) * mib, max(pool for _, pool, _ in over_time) * mib,
+        max(host for *_, host in over_time) * mib, sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        path_counts, dict(sim.reached))
-
-
-# A workload of fewer turns than this is simulated again with other draws of its steps' scatter, up to
-# MAX_REPLICATIONS times (an odd number), and each figure is the median of the simulations': the bench's figures are
-# the median of runs, and a few dozen turns' p50 moves with which of them queued.
-SCATTER_TURNS = 2000
-# `concurrent`'s 48 turns had a p50 of 102-139 ms over seven draws on the dev machine, and the median of seven moved
-# by 7% from one seven to the next; 31 simulations of a few dozen turns take well under a second.
-MAX_REPLICATIONS = 31
+        dict(Counter(r.path or "colocated" for r in sim.results)),
+        timeline(sim.retained_over_time, mib))
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
@@ -77,16 +82,11 @@ def replications(workload: Workload, calibration: Calibration) -> int:
 
 
 def median_of(runs: list[LegPrediction]) -> LegPrediction:
-    """Each figure of `runs` (simulations of one leg) as their median; the events of all of them, and the shapes
-    the steps of any of them reached."""
-    def median(name: str) -> float:
-        return float(np.median([getattr(run, name) for run in runs]))
+    """Each figure of `runs` (simulations of one leg) as their median, and the events of all of them."""
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
-    return LegPrediction(runs[0].leg, median("ttft_p50_ms"), median("ttft_p90_ms"), median("later_ttft_p50_ms"),
-                         median("session_p50_s"), median("peak_retained_mib"),
-                         median("peak_retained_mib_per_decode"), median("reuse_share"), runs[0].turns,
-                         sum(run.events for run in runs), paths,
-                         {shape: max(run.reached[shape] for run in runs) for shape in runs[0].reached})
+    return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
+                         runs[0].turns, sum(run.events for run in runs), paths,
+                         runs[0].retained_over_time)
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
@@ -95,26 +95,12 @@ def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: 
     return runs[0] if len(runs) == 1 else median_of(runs)
 
 
-PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
-_shared: tuple = ()  # (workload, calibration), inherited by forked workers rather than pickled to each
-
-
-def _share(workload: Workload, calibration: Calibration) -> None:
-    global _shared
-    _shared = (workload, calibration)
-
-
-def _simulate_shared(job: tuple[str, Deployment]) -> LegPrediction:
-    leg, deployment = job
-    return simulate(_shared[0], LEGS[leg], deployment, _shared[1])
-
-
 def simulate_many(workload: Workload, calibration: Calibration,
                   jobs: list[tuple[str, Deployment]]) -> list[LegPrediction]:
     """Each (leg name, deployment) simulated, in order; a large workload's on every core."""
+    runs = [(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
     cores = os.cpu_count() or 1
     if len(jobs) < 2 or cores < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
-        return [simulate(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
-    with ProcessPoolExecutor(min(cores, len(jobs)), mp_context=multiprocessing.get_context("fork"),
-                             initializer=_share, initargs=(workload, calibration)) as pool:
-        return list(pool.map(_simulate_shared, jobs))
+        return [simulate(*run) for run in runs]
+    with multiprocessing.get_context("fork").Pool(min(cores, len(jobs))) as pool:
+        return pool.starmap(simulate, runs)

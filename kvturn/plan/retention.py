@@ -1,8 +1,10 @@
-"""What workers keep between turns, as kvturn keeps it: a decode worker's retention leases (one per conversation,
-a newer turn's superseding the older, ended by the TTL, reclaimed oldest-first over the budget or when the pool
-needs room; see kvturn/kv_transfer/leases.py) and a worker's prefix cache (least recently used evicted first)."""
+"""What workers keep between turns: a decode worker's retention leases, as kvturn/kv_transfer/leases.py keeps them
+(checked against it in tests/test_plan_engine_match.py), and a worker's prefix cache."""
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvturn.kv_transfer.params import HOST, POOL
 
 
 @dataclass(slots=True)
@@ -14,51 +16,76 @@ class Lease:
 
 
 class Leases:
-    """One decode worker's leases, oldest first; sizes in tokens of KV."""
+    """One decode worker's leases in tokens of KV, oldest first, each in the pool or the host tier: a newer turn's
+    supersedes the older, the TTL ends them, and over the pool's budget, or when the pool needs room, the oldest in
+    the pool moves whole to the host tier (whose own oldest go to make room), or goes if the tier cannot hold it."""
 
-    def __init__(self, budget_tokens: int | None, on_change):
-        self.budget_tokens = budget_tokens
-        self.on_change = on_change  # told the change in retained tokens, for the cluster-wide peak
-        self.by_conversation: OrderedDict[str, Lease] = OrderedDict()
-        self.retained_tokens = 0
+    def __init__(self, budget_tokens: int | None, host_tokens: int, on_change: Callable[[str, int], None]):
+        self.budget_tokens = budget_tokens  # in the pool
+        self.host_tokens = host_tokens
+        self.on_change = on_change  # told (tier, change in tokens), for the cluster's totals
+        self.tiers: dict[str, OrderedDict[str, Lease]] = {POOL: OrderedDict(), HOST: OrderedDict()}
+        self.tokens = {POOL: 0, HOST: 0}
+
+    @property
+    def retained_tokens(self) -> int:
+        """In the pool: what its budget bounds."""
+        return self.tokens[POOL]
 
     def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
         self.expire(now)
         self.drop(conversation)  # superseded
         if tokens <= 0:
             return None
+        while self._over_budget(tokens) and self.reclaim_oldest():
+            pass  # room first, so that the pool never holds more than the budget
         lease = Lease(conversation, tokens, now + ttl_s)
-        self.by_conversation[conversation] = lease
-        self._add(tokens)
-        if self.budget_tokens is not None:
-            while self.retained_tokens > self.budget_tokens and self.reclaim_oldest():
-                pass
+        self.tiers[POOL][conversation] = lease
+        self._add(POOL, tokens)
+        while self._over_budget(0) and self.reclaim_oldest():
+            pass  # the lease alone is over the budget: it moves itself
         return lease
 
+    def _over_budget(self, adding: int) -> bool:
+        return self.budget_tokens is not None and self.tokens[POOL] + adding > self.budget_tokens
+
     def drop(self, conversation: str) -> None:
-        lease = self.by_conversation.pop(conversation, None)
-        if lease is not None:
-            lease.alive = False
-            self._add(-lease.tokens)
+        for tier, leases in self.tiers.items():
+            lease = leases.pop(conversation, None)
+            if lease is not None:
+                lease.alive = False
+                self._add(tier, -lease.tokens)
 
     def expire(self, now: float) -> None:
-        """Drop the leases ended by `now`: all share one TTL, so they end in the order they began (and, as only
-        a new lease raises the total, dropping them just before one is made keeps the peak exact)."""
-        while self.by_conversation:
-            oldest = next(iter(self.by_conversation.values()))
-            if oldest.expiry_s > now:
-                break
-            self.drop(oldest.conversation)
+        """Drop the leases ended by `now`: all share one TTL, so in each tier they end in the order they began."""
+        for leases in self.tiers.values():
+            while leases and next(iter(leases.values())).expiry_s <= now:
+                self.drop(next(iter(leases)))
 
     def reclaim_oldest(self) -> bool:
-        if not self.by_conversation:
+        """Free the pool tokens of its oldest lease: to the host tier if it fits there, else dropped. False with
+        none in the pool."""
+        pool, host = self.tiers[POOL], self.tiers[HOST]
+        if not pool:
             return False
-        self.drop(next(iter(self.by_conversation)))
+        oldest = next(iter(pool.values()))
+        if oldest.tokens > self.host_tokens:
+            self.drop(oldest.conversation)
+            return True
+        while self.tokens[HOST] + oldest.tokens > self.host_tokens:
+            self.drop(next(iter(host)))
+        del pool[oldest.conversation]
+        self._add(POOL, -oldest.tokens)
+        host[oldest.conversation] = oldest
+        self._add(HOST, oldest.tokens)
         return True
 
-    def _add(self, tokens: int) -> None:
-        self.retained_tokens += tokens
-        self.on_change(tokens)
+    def tier_of(self, conversation: str) -> str | None:
+        return next((tier for tier, leases in self.tiers.items() if conversation in leases), None)
+
+    def _add(self, tier: str, tokens: int) -> None:
+        self.tokens[tier] += tokens
+        self.on_change(tier, tokens)
 
 
 class PrefixCache:

@@ -1,22 +1,20 @@
 """A discrete-event simulation of one deployment leg serving a workload: the router's own code for each turn (its
-`paths` cost model, choice, exploration and learning, and its `workers` load accounting: claims, predicted
-backlog, least-loaded picks, run on the simulated clock), prefill and decode workers as step loops (steps.py),
-retention leases and prefix caches (retention.py), think time between turns, and closed-loop clients or a
-trace's own start times. A plain heapq loop: the whole state is a few dicts and lists."""
+cost model's path choice and learning, its load accounting on the simulated clock), workers as step loops
+(steps.py), leases and prefix caches (retention.py), think time, and closed-loop clients or a trace's own start
+times. The router streams P's first token ahead of the decode worker, as for the bench's streamed requests."""
 import heapq
 import random
 from collections import deque
 from dataclasses import dataclass
 
+from kvturn import costmodel
 from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
-from kvturn.plan.calibration import Calibration
-from kvturn.plan.fit import SEEN_SHAPES, WORKER_KINDS
+from kvturn.kv_transfer.params import HOST, POOL
+from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
-from kvturn.plan.trace import Session, TurnDemand, Workload, resend_answers, reusable
-from kvturn import costmodel
-from kvturn.costmodel.fits import MIN_SAMPLES, ComputeFit, Typical
+from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -28,6 +26,7 @@ class Deployment:
     kv_cache_mb: int = default_of(EngineConfig, "kv_cache_mb")
     decoder_kv_blocks_ttl_s: float = default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s")
     retained_kv_budget_mb: int | None = default_of(ConnectorConfig, "retained_kv_budget_mb")
+    retained_host_mb: int | None = default_of(ConnectorConfig, "retained_host_mb")
     kv_recompute_threshold_tokens: int = default_of(ConnectorConfig, "kv_recompute_threshold_tokens")
     kv_expiry_margin_s: float = default_of(ConnectorConfig, "kv_expiry_margin_s")
     conversation_ttl_s: float = default_of(RouterConfig, "conversation_ttl_s")
@@ -38,16 +37,11 @@ class Deployment:
     prefill_pack_tokens: int = default_of(EngineConfig, "prefill_pack_tokens")
     block_size: int = default_of(EngineConfig, "block_size")
     one_host: bool = False  # every worker on one machine's cores, as `kvturn bench --compare` runs them
-    # The router streams P's first token ahead of the decode worker (streamed requests without stop strings or
-    # logprobs, as the bench sends): D's read and first step are then not in the time to first token.
-    first_token_ahead: bool = True
 
 
 @dataclass(slots=True)
 class TurnResult:
-    session: int
     turn: int
-    prompt_tokens: int
     arrival_s: float
     path: str = ""
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
@@ -60,14 +54,13 @@ class Flight:
     state: "SessionState"
     turn: TurnDemand
     result: TurnResult
-    shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse (its last token is always computed)
+    shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse
     dispatched_s: float = 0.0
     choice: costmodel.PathChoice | None = None
     claim: Claim | None = None  # the router's load on the worker serving the turn now
-    prefill: int = 0  # the prefill worker serving it
-    decode: int = 0  # the decode worker serving it
+    prefill: int = 0
+    decode: int = 0
     read_ms: float = 0.0  # P's read of D's retained history
-    prefill_compute_ms: float = 0.0
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
 
 
@@ -88,34 +81,19 @@ class SessionState:
     finished_s: float | None = None
 
 
-FIT_POINTS = ((512, 0), (2048, 0), (4096, 0), (256, 4096), (128, 8192))  # at least MIN_SAMPLES
-
-
 def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
-    """The router's cost model as it stands once calibrated: each fit starts from its own points, so that
-    `costmodel.choose` treats it as measured."""
-    model = costmodel.CostModel()
-    for role in ("prefill", "decode"):
-        fit = ComputeFit(calibration.fit_for(role))
-        for new, context in FIT_POINTS:
-            fit.add(new, context, max(fit.predict(new, context), 1e-3))
-        model.prefill[role] = fit
-    for measured, value in ((model.read_ms_per_mib, calibration.read_ms_per_mib["d_to_p"]),
-                            (model.handoff_read_ms_per_mib, calibration.read_ms_per_mib["p_to_d"]),
-                            (model.bytes_per_token, calibration.kv_bytes_per_token)):
-        for _ in range(MIN_SAMPLES):
-            measured.add(value)
-    for path, leg in ((costmodel.RECOMPUTE, "pd/P-cache-off"), (costmodel.PULL, "bidir/P-cache-off"),
-                      (costmodel.COMPUTE_ON_DECODE, "compute-on-D")):
-        model.other_ms[path] = Typical(calibration.other(leg))
-    return model
+    """The router's cost model as it stands once calibrated."""
+    other = {costmodel.RECOMPUTE: "pd/P-cache-off", costmodel.PULL: "bidir/P-cache-off",
+             costmodel.COMPUTE_ON_DECODE: "compute-on-D"}
+    return costmodel.CostModel.calibrated({role: calibration.fit_for(role) for role in ("prefill", "decode")},
+                                          calibration.read_ms_per_mib, calibration.kv_bytes_per_token,
+                                          {path: calibration.other(leg) for path, leg in other.items()})
 
 
 class RouterPool:
-    """The router's view of one role's workers, kept by its own code (`WorkerPool`, its claims and each worker's
-    predicted `backlog_ms`). The backlog is read whenever a claim comes or goes; in between it falls by a millisecond
-    each millisecond (the work predicted, less what the worker can have done since it took it up), so it is kept as
-    the time it runs out, and a least-loaded pick does not price every request pending on every worker."""
+    """The router's view of one role's workers, kept by its own `WorkerPool`. A worker's predicted backlog falls by
+    a millisecond each millisecond between claims, so it is kept as the time it runs out: a least-loaded pick then
+    prices no pending request."""
 
     def __init__(self, sim: "Simulation", role: str, size: int):
         self.sim = sim
@@ -137,105 +115,67 @@ class RouterPool:
         self._changed(index)
 
     def _changed(self, index: int) -> None:
-        now = self.sim.now
-        self.free_at_s[index] = now + self.workers[index].backlog_ms(now) / 1e3
+        self.free_at_s[index] = self.sim.now + self.workers[index].backlog_ms(self.sim.now) / 1e3
 
     def least_loaded(self) -> int:
-        """The index of `WorkerPool.least_loaded`'s pick (every worker healthy): least backlog, then fewest
-        requests in flight, then the first."""
+        """`WorkerPool.least_loaded`'s pick: least backlog, then fewest requests in flight, then the first."""
         now, free_at = self.sim.now, self.free_at_s
         soonest = min(free_at)
-        if soonest > now:
-            candidates = [i for i, free in enumerate(free_at) if free == soonest]
-        else:
-            candidates = [i for i, free in enumerate(free_at) if free <= now]
-        workers = self.workers
-        return min(candidates, key=lambda i: workers[i].in_flight)
+        candidates = [i for i, free in enumerate(free_at) if (free == soonest if soonest > now else free <= now)]
+        return min(candidates, key=lambda i: self.workers[i].in_flight)
 
 
 class Simulation:
     def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
                  seed: int = 0):
-        # the prompts as the calibration's model resends its answers (a trace's, or a workload already so, as given)
-        workload = resend_answers(workload, calibration.resent_answer_ratio)
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
-        self.now = 0.0
-        self.events = 0
-        self._queue: list = []
-        self._order = 0
+        self.now, self.events, self._queue, self._order = 0.0, 0, [], 0
         d = deployment
-        pool_tokens = int(d.kv_cache_mb * 2**20 / calibration.kv_bytes_per_token)
-        loop = lambda kind, index: StepLoop(self, kind, index, d.max_num_seqs,  # noqa: E731
-                                            d.max_num_batched_tokens, d.prefill_pack_tokens)
         self.colocated = leg.mode == "colocated"
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
-        self.prefill = [] if self.colocated else [loop("prefill", i) for i in range(d.num_prefill)]
-        self.decode = [loop("colocated" if self.colocated else "decode", i) for i in range(d.num_decode)]
-        # The router's view of the workers, kept by its own code: load, predicted backlog, decode step time.
+        loop = lambda kind: StepLoop(self, kind, d.max_num_seqs, d.max_num_batched_tokens,  # noqa: E731
+                                     d.prefill_pack_tokens)
+        self.prefill = [] if self.colocated else [loop("prefill") for _ in range(d.num_prefill)]
+        self.decode = [loop("colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
         self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
         self.router_decode = RouterPool(self, "decode", len(self.decode))
         for worker, view in zip(self.decode, self.router_decode.workers):
-            worker.token_gaps_ms = view.token_gaps_ms
-        self.pool_tokens = pool_tokens
-        self.prefill_cache = [PrefixCache(pool_tokens) for _ in self.prefill] if leg.prefix_caching_on_prefill else []
-        self.decode_cache = [PrefixCache(pool_tokens) for _ in self.decode]
-        budget = (int(d.retained_kv_budget_mb * 2**20 / calibration.kv_bytes_per_token)
-                  if d.retained_kv_budget_mb is not None else None)
-        self.leases = [Leases(budget, self._retained_changed) for _ in self.decode]
-        # Every lease made, with its decode worker: one TTL for all, so they end in the order they were made
-        self.lease_ends: deque[tuple[Lease, int]] = deque()
+            worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
+        self.pool_tokens = self._tokens_in(d.kv_cache_mb)
+        self.prefill_cache = [PrefixCache(self.pool_tokens) for _ in self.prefill] \
+            if leg.prefix_caching_on_prefill else []
+        self.decode_cache = [PrefixCache(self.pool_tokens) for _ in self.decode]
+        budget = None if d.retained_kv_budget_mb is None else self._tokens_in(d.retained_kv_budget_mb)
+        self.leases = [Leases(budget, self._tokens_in(d.retained_host_mb or 0), self._retained_changed)
+                       for _ in self.decode]
+        self.lease_ends: deque[tuple[Lease, int]] = deque()  # one TTL for all: they end in the order they began
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
-        self.prompt_workers = len(self.prefill) or len(self.decode)  # the workers computing prompts
-        self.retained_tokens = 0
-        self.peak_retained_tokens = 0  # over all decode workers together
-        self.peak_worker_retained_tokens = 0  # on the decode worker that held the most (a budget is per worker)
+        self.prompt_workers = len(self.prefill) or len(self.decode)
+        self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
+        self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
+        self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
         self.results: list[TurnResult] = []
-        self.reached = dict.fromkeys(SEEN_SHAPES, 0)  # the shapes of the steps simulated, at their most
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
     def other_role_busy(self, loop: StepLoop) -> bool:
-        """A worker of the other role is busy on the same cores; never for workers on their own hardware, or a
-        colocated worker alone."""
-        return self.shared_cores and any(worker.busy for worker in (self.decode if loop.kind == "prefill"
-                                                                    else self.prefill))
+        """A worker of the other role is busy on the same cores (never on hardware of their own)."""
+        return self.shared_cores and any(w.busy for w in (self.decode if loop.kind == "prefill" else self.prefill))
 
-    def contention(self, loop: StepLoop) -> tuple[float, float]:
-        """(factor on prompt compute, ms added to a decode step) for a worker whose other role is busy."""
-        if not self.other_role_busy(loop):
-            return 1.0, 0.0
-        return 1.0 + self.calibration.contention["prefill_slowdown"], self.calibration.contention["decode_step_ms"]
+    def contention_ms(self, loop: StepLoop) -> float:
+        return self.calibration.decode_contention_ms if self.other_role_busy(loop) else 0.0
 
-    def prompt_step_ms(self, loop: StepLoop, compute_ms: float, after_idle: bool) -> float:
-        """What a prompt step of `loop` whose compute the fit puts at `compute_ms` takes: started after idling or
-        back to back, with the other role busy on the same cores or not, scattered as the calibration's steps of
-        that kind of worker (a factor drawn from its quantiles)."""
-        scatter = self._scatter[loop.kind]
-        if scatter:
-            compute_ms *= self._draw(scatter)
-        if after_idle:
-            return self.calibration.after_idle_ms(compute_ms, self.other_role_busy(loop))
-        return compute_ms * self.contention(loop)[0]
+    def prompt_step_ms(self, loop: StepLoop, chunks: list[tuple[Job, int]]) -> float:
+        """A step of `loop` computing the (job, new tokens) `chunks`, scattered as the calibration's steps of that
+        kind were (steps of fixed times keep closed-loop sessions in a lockstep that a machine's scatter breaks)."""
+        ms = self.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], loop.kind)
+        return ms * self._draw(self._scatter[loop.kind]) if self._scatter[loop.kind] else ms
 
-    def reach_prompts(self, chunks: list) -> None:
-        """A prompt step computes (job, new tokens) `chunks`."""
-        reached = self.reached
-        for job, n in chunks:
-            reached["prompt_tokens"] = max(reached["prompt_tokens"], n)
-            reached["prompt_context"] = max(reached["prompt_context"], job.context + n)
-
-    def reach_decode(self, batch: int, context: int, longest: int) -> None:
-        """A step decodes `batch` requests attending to `context` tokens in all, `longest` the most of them."""
-        reached = self.reached
-        reached["decode_batch"] = max(reached["decode_batch"], batch)
-        reached["decode_attended"] = max(reached["decode_attended"], self.calibration.attended(batch, context, longest))
-
-    # ---- the event loop
     def at(self, time_s: float, action, *args) -> None:
         self._order += 1
         heapq.heappush(self._queue, (time_s, self._order, action, args))
@@ -254,7 +194,6 @@ class Simulation:
             action(*args)
         return self
 
-    # ---- sessions and turns
     def _start_next_session(self) -> None:
         if self._pending_sessions:
             self._start_session(self._pending_sessions.pop())
@@ -264,13 +203,11 @@ class Simulation:
         self._start_turn(state, self.now)
 
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
-        """The turn will arrive at `arrival_s`."""
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.index, state.next_turn, turn.prompt_tokens, arrival_s)
+        result = TurnResult(state.next_turn, arrival_s)
         self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        shareable = reusable(previous, turn, self.calibration.answer_share)
-        flight = Flight(state, turn, result, self._blocks(shareable))
+        flight = Flight(state, turn, result, self._blocks(reusable(previous, turn)))
         if arrival_s <= self.now:
             self._arrive(flight)
         else:
@@ -284,12 +221,12 @@ class Simulation:
         self.at(self.now + self.calibration.other(self.leg.name, load) / 1e3, self._dispatch, flight)
 
     def _turn_done(self, flight: Flight) -> None:
-        state, turn, decode = flight.state, flight.turn, flight.decode
+        state, turn = flight.state, flight.turn
         conversation = state.session.conversation_id
         retained = self._blocks(turn.prompt_tokens + turn.output_tokens - 1)
-        self.decode_cache[decode].store(conversation, retained)
+        self.decode_cache[flight.decode].store(conversation, retained)
         if self.leg.bidirectional:
-            self._retain(conversation, decode, retained)
+            self._retain(conversation, flight.decode, retained)
         self.turns_in_flight -= 1
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
@@ -299,8 +236,8 @@ class Simulation:
         if self.workload.clients:
             self._start_next_session()
 
-    # ---- one turn's path, as kvturn/router/turn.py takes it
     def _dispatch(self, flight: Flight) -> None:
+        """The turn's path, as kvturn/router/turn.py takes it."""
         state, turn = flight.state, flight.turn
         flight.dispatched_s = now = self.now
         if self.colocated:
@@ -313,13 +250,12 @@ class Simulation:
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
         flight.leased_tokens = entry.lease.tokens if entry else 0
-        available = holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode
         prefill_index = self.router_prefill.least_loaded()
         prefill = self.router_prefill.workers[prefill_index]
-        view = costmodel.TurnView(turn.prompt_tokens, entry.lease.tokens if entry else 0,
-                              holder.in_flight if holder else 0, available, prefill.in_flight, prefill.backlog_ms(now),
-                              holder.backlog_ms(now) if holder else 0.0, self.deployment.first_token_ahead,
-                              holder.step_ms if holder else 0.0)
+        view = costmodel.TurnView(
+            turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
+            holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
+            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.result.path = choice.path
@@ -338,7 +274,6 @@ class Simulation:
 
     def _compute_on(self, decode: int, flight: Flight, lease_tokens: int) -> None:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
-        turn = flight.turn
         shareable = flight.shareable_tokens
         cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id),
                                     lease_tokens))
@@ -346,9 +281,8 @@ class Simulation:
         flight.decode = decode
         if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
             self.costs.observe_reuse(flight.leased_tokens, cached)
-        job = Job(turn.prompt_tokens - cached, cached, turn.output_tokens, flight,
-                  on_first_token=self._computed_on_decode, on_finished=self._decoded)
-        self.decode[decode].submit_prefill(job)
+        self.decode[decode].submit_prefill(Job(flight.turn.prompt_tokens - cached, cached, flight.turn.output_tokens,
+                                               flight, self._computed_on_decode, self._decoded))
 
     def _computed_on_decode(self, job: Job, now: float) -> None:
         flight = job.flight
@@ -357,33 +291,27 @@ class Simulation:
         self._first_token(flight, now, job.compute_ms)
 
     def _prefill_on(self, prefill: int, flight: Flight, lease_tokens: int) -> None:
-        """Prefill on P (reading D's retained history first when that saves at least the threshold); P answers
-        with the first token, then the decode worker reads the prompt's KV it lacks and decodes."""
-        turn = flight.turn
-        conversation = flight.state.session.conversation_id
-        shareable = flight.shareable_tokens
+        """Prefill on P, reading D's retained history first when that saves at least the threshold."""
+        conversation, shareable = flight.state.session.conversation_id, flight.shareable_tokens
         local = min(shareable, self.prefill_cache[prefill].hit(conversation)) if self.prefill_cache else 0
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.result.reused_tokens = remote
-        flight.prefill = prefill
-        context = local + remote
-        job = Job(turn.prompt_tokens - context, context, 1, flight, on_finished=self._prefilled)
-        worker = self.prefill[prefill]
-        if remote:  # read as P's step that admits it is scheduled (StepLoop._step)
+        flight.result.reused_tokens, flight.prefill = remote, prefill
+        job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
+        if remote:  # read as P's step that admits it is scheduled
             flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
-        worker.submit_prefill(job)
+        self.prefill[prefill].submit_prefill(job)
 
     def _prefilled(self, job: Job, now: float) -> None:
-        """P has answered: the router learns from its report and sends the turn on to a decode worker."""
+        """P has answered: the router streams its first token, learns from its report and sends the turn on to a
+        decode worker, which reads the prompt's KV it lacks and decodes."""
         flight = job.flight
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
         self.router_prefill.release(flight.claim, flight.prefill)
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
-        flight.prefill_compute_ms = job.compute_ms
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
         if holder is None or self.router_decode.workers[holder].in_flight >= self.deployment.max_in_flight_per_decode:
@@ -392,18 +320,10 @@ class Simulation:
         flight.claim = self.router_decode.claim(holder)
         on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
-        read = turn.prompt_tokens - on_decode
-        if self.deployment.first_token_ahead:
-            self._first_token(flight, now, job.compute_ms + flight.read_ms)
-        read_ms = self.calibration.read_ms(read, "p_to_d")
-        self.at(now + read_ms / 1e3, self._decode_on, flight, read_ms)
-
-    def _decode_on(self, flight: Flight, read_ms: float) -> None:
-        """D has read the prompt's KV it lacked from P (in `read_ms`): it decodes."""
-        if not self.deployment.first_token_ahead:
-            self._first_token(flight, self.now, flight.prefill_compute_ms + flight.read_ms + read_ms)
-        job = Job(0, flight.turn.prompt_tokens, flight.turn.output_tokens - 1, flight, on_finished=self._decoded)
-        self.decode[flight.decode].submit_decode(job)
+        self._first_token(flight, now, job.compute_ms + flight.read_ms)
+        decode = Job(0, turn.prompt_tokens, turn.output_tokens - 1, flight, on_finished=self._decoded)
+        read_ms = self.calibration.read_ms(turn.prompt_tokens - on_decode, "p_to_d")
+        self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, decode)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
         ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
@@ -411,12 +331,10 @@ class Simulation:
             self.costs.observe_turn(flight.choice, ttft_ms, explained_ms)
 
     def _decoded(self, job: Job, now: float) -> None:
-        flight = job.flight
-        if flight.claim is not None:
-            self.router_decode.release(flight.claim, flight.decode)
-        self._turn_done(flight)
+        if job.flight.claim is not None:
+            self.router_decode.release(job.flight.claim, job.flight.decode)
+        self._turn_done(job.flight)
 
-    # ---- retention
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:
         previous = self.table.get(conversation)
         if previous is not None and previous.decode != decode:
@@ -424,24 +342,25 @@ class Simulation:
         leases = self.leases[decode]
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
         while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
-            pass  # the pool needs room: leases go before any running request is preempted
+            pass  # the pool needs room: leases move or go before any running request is preempted
         if lease is not None:
             self.lease_ends.append((lease, decode))
-        self._expire_leases()
-        self.peak_retained_tokens = max(self.peak_retained_tokens, self.retained_tokens)  # after any reclaim
+        while self.lease_ends and self.lease_ends[0][0].expiry_s <= self.now:  # each worker ends its own
+            ended, worker = self.lease_ends.popleft()
+            if ended.alive:
+                self.leases[worker].drop(ended.conversation)
         self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
-            return
-        self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
+        else:
+            self.table[conversation] = Entry(decode, lease, self.now + self.deployment.conversation_ttl_s)
 
-    def _expire_leases(self) -> None:
-        """End every decode worker's leases past their TTL, as each worker does on its own clock, not only when
-        it next retains: the cluster's peak counts no lease that ended."""
-        while self.lease_ends and self.lease_ends[0][0].expiry_s <= self.now:
-            lease, decode = self.lease_ends.popleft()
-            if lease.alive:  # else superseded, reclaimed or expired already
-                self.leases[decode].drop(lease.conversation)
+    def _tokens_in(self, mib: int) -> int:
+        return int(mib * 2**20 / self.calibration.kv_bytes_per_token)
 
-    def _retained_changed(self, tokens: int) -> None:
-        self.retained_tokens += tokens
+    def _retained_changed(self, tier: str, tokens: int) -> None:
+        """Each instant's retained KV once every change made then is in."""
+        self.retained_tokens[tier] += tokens
+        if self.retained_over_time and self.retained_over_time[-1][0] == self.now:
+            self.retained_over_time.pop()
+        self.retained_over_time.append((self.now, self.retained_tokens[POOL], self.retained_tokens[HOST]))

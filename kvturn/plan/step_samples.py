@@ -1,61 +1,53 @@
 """The forward steps each leg's workers ran in service (the bench keeps every worker's /kv/steps in results.json), as
-samples of the plan's cost model: what each prompt step computed and took, what each decode step ran and took.
-
-A step is measured as it ran beside everything else of the leg: the other role's steps on the same host, the
-router, the client, a history just read over NIXL into scattered blocks. On the dev machine such steps ran ~1.4x
-the time of the same shapes timed at a worker's start-up (alone, back to back, on a context it had just computed),
-and a fit to a short calibration run's steps put the prompt steps of agent-loop runs made minutes later within
-7% at the median, while D was decoding eight sessions beside them. So the fits come from these steps alone, and
-the slowdown beside the other role and the cost of starting idle are in them, on average, as the run saw them."""
+samples of the plan's cost model. A step is measured as it ran beside everything else of the leg (the other role's
+steps on the same host, the router, the client, reads over NIXL), so the slowdown beside the other role and the
+cost of starting idle are in the fits, on average, as the calibration run saw them."""
+import random
 from dataclasses import dataclass
+from typing import Annotated
 
-from kvturn.plan.rows import busy_share, number_within
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from kvturn.costmodel.fits import plausible_step_ms
+from kvturn.plan.rows import busy_share
 
 ROLES = {"prefill": "prefill", "decode": "decode", "both": "colocated"}  # a worker's role -> the fit's kind
 MAX_TOKENS = 2**24  # of a context, or of a step
+Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
-    start_s: float
-    ms: float
-    prompts: tuple[tuple[int, int], ...]  # (new tokens, tokens of KV before them) of each prompt chunk
-    decodes: int
-    decode_context: int  # tokens of KV the decoding sequences attended to before the step, in all
-    decode_longest: int  # ...the most of them: a decode step's attention is padded to it
+class Step(BaseModel):
+    """A step as a worker's /kv/steps lists it: a start on the wall clock, whole token counts within a context's
+    reach, and between 10 ns and 10 s a token computed."""
+    model_config = ConfigDict(strict=True, frozen=True)
+    start_s: float = Field(ge=0.0, le=1e11)
+    ms: float = Field(ge=1e-3, le=6e5)
+    cpu_ms: float = Field(ge=0.0, le=6e5)
+    prompts: list[Annotated[list[Tokens], Field(min_length=2, max_length=2)]] = Field(max_length=4096)  # [n, context]
+    decodes: int = Field(ge=0, le=2**16)
+    decode_context: int = Field(ge=0)  # tokens of KV the decoding sequences attended to before the step, in all
+    decode_longest: Tokens  # ...the most of them: a decode step's attention is padded to it
+
+    @model_validator(mode="after")
+    def _plausible(self) -> "Step":
+        decodes, longest = self.decodes, self.decode_longest
+        if (longest >= 1) != (decodes >= 1) or not max(longest, decodes) <= self.decode_context <= decodes * longest \
+                or any(n < 2 for n, _ in self.prompts) or not plausible_step_ms(self.ms, sum(n for n, _ in self.prompts)
+                                                                                 + decodes):
+            raise ValueError("not a plausible step")
+        return self
 
     @property
     def interval(self) -> tuple[float, float]:
         return self.start_s, self.start_s + self.ms / 1e3
 
 
-def _count(value, most: int, least: int = 0) -> bool:
-    return type(value) is int and least <= value <= most
-
-
 def parse_step(raw) -> Step | None:
-    """A step as a worker's /kv/steps lists it, or None for anything that is not a plausible one: a start on the
-    wall clock, whole token counts within a context's reach, and between 10 ns and 10 s a token computed."""
-    if not isinstance(raw, dict):
+    """A step, or None for anything that is not a plausible one."""
+    try:
+        return Step.model_validate(raw)
+    except ValidationError:
         return None
-    start, ms, cpu_ms, prompts = raw.get("start_s"), raw.get("ms"), raw.get("cpu_ms"), raw.get("prompts")
-    decodes, context, longest = raw.get("decodes"), raw.get("decode_context"), raw.get("decode_longest")
-    if not number_within(start, 0.0, 1e11) or not number_within(ms, 1e-3, 6e5) or not number_within(cpu_ms, 0.0, 6e5):
-        return None
-    if not isinstance(prompts, list) or len(prompts) > 4096 or not _count(decodes, 2**16) or \
-            not _count(longest, MAX_TOKENS if decodes else 0, 1 if decodes else 0) or \
-            not _count(context, decodes * longest, max(longest, decodes)):
-        return None
-    chunks = []
-    for chunk in prompts:
-        if not isinstance(chunk, list) or len(chunk) != 2 or not _count(chunk[0], MAX_TOKENS, 2) or \
-                not _count(chunk[1], MAX_TOKENS):
-            return None
-        chunks.append((chunk[0], chunk[1]))
-    if not plausible_step_ms(ms, sum(n for n, _ in chunks) + decodes):
-        return None
-    return Step(float(start), float(ms), tuple(chunks), decodes, context, longest)
 
 
 def leg_steps(run: dict) -> dict[str, list[Step]]:
@@ -81,7 +73,17 @@ class StepSamples:
         return sum(map(len, self.prompts.values())) + sum(map(len, self.decodes.values()))
 
 
-def collect(legs: list[dict[str, list[Step]]]) -> StepSamples:
+def half_of(items: list, half: int | None) -> list:
+    """All of `items`, or one half of them (0 or 1) drawn at random, the same draw every time: steps in time order
+    often repeat a few shapes in turn, which every other step would split unevenly."""
+    if half is None:
+        return items
+    first = set(random.Random(len(items)).sample(range(len(items)), len(items) // 2))
+    return [item for i, item in enumerate(items) if (i in first) == (half == 0)]
+
+
+def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> StepSamples:
+    """The legs' steps by kind, or one half of each kind's (`half_of`)."""
     prompts: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     decodes: dict[str, list] = {"decode": [], "colocated": []}
     for steps in legs:
@@ -93,4 +95,5 @@ def collect(legs: list[dict[str, list[Step]]]) -> StepSamples:
                 elif kind in decodes:
                     busy = busy_share(step.interval, prefilling) if kind == "decode" else 0.0
                     decodes[kind].append((step.decodes, step.decode_longest, busy, step.ms))
-    return StepSamples(prompts, decodes)
+    return StepSamples({kind: half_of(steps, half) for kind, steps in prompts.items()},
+                       {kind: half_of(steps, half) for kind, steps in decodes.items()})

@@ -1,8 +1,8 @@
-"""A worker's step loop as the simulation sees it: each step runs every decoding request one token and prefill
-chunks of waiting prompts within the token budget, a prompt that joins others taking on only what
-`prefill_pack_tokens` leaves, as kvturn's scheduler does, after reading a peer's KV for the prompts it admits
-(a step waits for those reads). Steps with no prefill in them are taken many at a time (until the next request
-finishes or one arrives), so a long decode is a few events, not one per token."""
+"""A worker's step loop as the simulation sees it, scheduled as kvturn's engine schedules (kvturn/engine/scheduler.py,
+checked against it in tests/test_plan_engine_match.py): each step runs every decoding request one token and chunks
+of waiting prompts within the token budget, a prompt that joins others taking only what `prefill_pack_tokens`
+leaves, after reading a peer's KV for the prompts it admits. Decode-only steps are taken many at a time (until a
+request finishes or one arrives), so a long decode is a few events, not one per token."""
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ def _nothing(job: "Job", now: float) -> None:
 
 @dataclass(slots=True, eq=False)  # a job is itself, whatever its counts
 class Job:
-    """One request on one worker: `prefill_tokens` to compute after `context` tokens of KV it already has, then
+    """One request on one worker: `prefill_tokens` to compute after `context` tokens of KV it has, then
     `decode_steps` tokens to generate; the callbacks are told the job and the time."""
     prefill_tokens: int
     context: int
@@ -27,7 +27,7 @@ class Job:
     started: bool = False  # some of its prompt has been computed
     compute_ms: float = 0.0  # of the steps that computed its prompt, as the engine reports a prefill's time
     read_ms: float = 0.0  # a peer's KV to read when the job is admitted, before its first step
-    loaded: bool = False  # its read is done (it waits among the running for room, as the scheduler keeps it)
+    loaded: bool = False  # its read is done: it waits among the running for room, as the scheduler keeps it
 
     @property
     def prompt_tokens(self) -> int:
@@ -40,16 +40,14 @@ class Segment:
     start_s: float
     count: int
     batch: int
-    context: int
     longest: int
     version: int
 
 
 @dataclass(slots=True, eq=False)
 class StepLoop:
-    sim: object  # the Simulation: now, at(), and the calibration
-    kind: str  # "prefill", "decode" or "colocated": which of the calibration's compute fits applies
-    index: int  # among the workers of its role
+    sim: object  # the Simulation: now, at(), the calibration, and the price of a step
+    kind: str  # "prefill", "decode" or "colocated": which of the calibration's fits applies
     max_num_seqs: int
     max_num_batched_tokens: int
     prefill_pack_tokens: int
@@ -57,9 +55,8 @@ class StepLoop:
     prefilling: list = field(default_factory=list)
     decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
     steps: int = 0
-    context: int = 0  # tokens of KV the decoding requests attend to
-    # the decoding requests' longest (prompt tokens - the step they joined at): the longest context is this + steps
-    longest_base: int = 0
+    context: int = 0  # tokens of KV the decoding requests hold
+    longest_base: int = 0  # the decoding requests' longest prompt less the step it joined at
     in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     steps_in_flight: int = 0  # decode steps the step or segment now running adds to `steps` when it ends
@@ -84,13 +81,12 @@ class StepLoop:
         running = self.busy
         if running:
             self._wake()  # a run of decode-only steps is cut at the step in progress, which the job joins after
-        # The job's first decode step is the one after the steps now running: those are not its own.
         self._order += 1
         job.joined_step = self.steps + self.steps_in_flight
         heapq.heappush(self.decoding, (job.joined_step + job.decode_steps, self._order, job))
         self.context += job.prompt_tokens
-        self.longest_base = max(self.longest_base, job.prompt_tokens - job.joined_step) if len(self.decoding) > 1 \
-            else job.prompt_tokens - job.joined_step
+        own = job.prompt_tokens - job.joined_step
+        self.longest_base = max(self.longest_base, own) if len(self.decoding) > 1 else own
         if not running:
             self._wake()
 
@@ -102,7 +98,7 @@ class StepLoop:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
             self.busy = True
-            self._step(after_idle=True)
+            self._step()
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 
@@ -111,78 +107,55 @@ class StepLoop:
         """The longest context a decoding request attends to now."""
         return self.longest_base + self.steps if self.decoding else 0
 
-    def _segment_ms(self, count: int, batch: int, context: int, longest: int) -> float:
-        """`count` decode steps of `batch` requests; each request's context grows by a token a step."""
-        ms = self.sim.calibration.decode_steps_ms(self.kind, count, batch, context, longest)
-        return ms + self._contention_ms(count)
-
-    def _decodes_beside_prompts_ms(self, batch: int) -> float:
-        """What the running decodes add to a step that computes prompts."""
-        ms = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.context, self.longest)
-        return ms + self._contention_ms(1) if ms else 0.0
-
-    def _contention_ms(self, steps: int) -> float:
-        """What `steps` decode steps gain beside the other role on the same cores."""
-        return steps * self.sim.contention(self)[1] if self.sim.shared_cores else 0.0
+    def _segment_ms(self, count: int, batch: int, longest: int) -> float:
+        calibration = self.sim.calibration
+        return calibration.decode_steps_ms(self.kind, count, batch, longest) + count * self.sim.contention_ms(self)
 
     def _cut_segment(self) -> None:
+        """End the run of decode-only steps at the first step not ended by now."""
         seg = self.segment
         elapsed_ms = (self.sim.now - seg.start_s) * 1e3
-        low, high = 1, seg.count  # the first step count whose end is not before now
+        low, high = 1, seg.count
         while low < high:
             mid = (low + high) // 2
-            if self._segment_ms(mid, seg.batch, seg.context, seg.longest) < elapsed_ms:
-                low = mid + 1
-            else:
-                high = mid
+            low, high = (mid + 1, high) if self._segment_ms(mid, seg.batch, seg.longest) < elapsed_ms else (low, mid)
         if low < seg.count:
             self._versions += 1
-            seg.count, seg.version = low, self._versions
-            self.steps_in_flight = low
-            end = seg.start_s + self._segment_ms(low, seg.batch, seg.context, seg.longest) / 1e3
-            self.sim.at(end, self._end_segment, seg.version)
+            seg.count, seg.version, self.steps_in_flight = low, self._versions, low
+            self.sim.at(seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3, self._end_segment,
+                        seg.version)
 
-    def _step(self, after_idle: bool = False) -> None:
-        """The next step; `after_idle`: the first since the worker was idle (Calibration.after_idle_ms)."""
-        now = self.sim.now
-        batch = len(self.decoding)
+    def _step(self) -> None:
+        now, batch = self.sim.now, len(self.decoding)
         while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
         if not self.prefilling and batch:
-            count = self.decoding[0][0] - self.steps
+            count, longest = self.decoding[0][0] - self.steps, self.longest
             self._versions += 1  # an earlier segment's end event, cut short, must not end this one
-            longest = self.longest
-            self.segment = Segment(now, count, batch, self.context, longest, self._versions)
-            self.sim.reach_decode(batch, self.context + batch * (count - 1), longest + count - 1)  # its last step
+            self.segment = Segment(now, count, batch, longest, self._versions)
             self.steps_in_flight = count
-            self.sim.at(now + self._segment_ms(count, batch, self.context, longest) / 1e3, self._end_segment,
-                        self._versions)
+            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self._versions)
             return
         if not self.prefilling:
             self.busy = False
             return
         reads_ms, chunks = self._admit(batch)
-        ms = self._decodes_beside_prompts_ms(batch)
-        compute_ms = self.sim.calibration.step_prefill_ms([(n, job.context) for job, n in chunks], self.kind)
-        self.sim.reach_prompts(chunks)
-        if batch:
-            self.sim.reach_decode(batch, self.context, self.longest)
-        ms += self.sim.prompt_step_ms(self, compute_ms, after_idle)
+        ms = self.sim.prompt_step_ms(self, chunks)
+        if batch:  # the decodes beside add their terms to the one forward pass
+            beside = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.longest)
+            ms += beside + self.sim.contention_ms(self) if beside else 0.0
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
 
     def _admit(self, batch: int) -> tuple[float, list[tuple[Job, int]]]:
-        """(ms of the reads the step waits for, the (prompt, new tokens) chunks it computes), as kvturn's scheduler
-        admits them: the running prompts first (those under way, then those a read filled, in what room the pack has
-        left), then the waiting ones in turn while the step's token budget lasts, one whose KV a peer holds whatever
-        the pack's room (its read starts), one without only while there is room. The reads run one after another on
-        the worker's own thread before the forward pass (over shared memory UCX copies inside the post), and the
-        prompts they filled join the step last, in what room is left."""
+        """(ms of the reads the step waits for, the (prompt, new tokens) chunks it computes), as the scheduler
+        admits them: the running prompts first (those under way, then those a read filled, in what room the pack
+        has left), then the waiting ones in turn while the token budget lasts, one whose KV a peer holds whatever
+        the pack's room (its read starts, on the worker's own thread before the forward pass), one without only while
+        there is room. The prompts just read join the step last, in what room is left."""
         budget, taken, chunks = self.max_num_batched_tokens - batch, 0, []
 
         def take(job: Job) -> bool:
-            """Whether `job` computes in this step: all the budget left if it is under way or alone, else only
-            what the pack's room leaves."""
             nonlocal budget, taken
             n = min(job.prefill_tokens, budget if job.started or not taken else
                     min(budget, self.prefill_pack_tokens - taken))
@@ -232,9 +205,9 @@ class StepLoop:
         if seg is None or version != seg.version:
             return
         self.segment = None
-        gaps = self.token_gaps_ms
-        if gaps is not None:  # the router sees the steps as gaps between streamed tokens
-            gaps.extend([(self.sim.now - seg.start_s) * 1e3 / seg.count] * min(seg.count, gaps.maxlen))
+        if self.token_gaps_ms is not None:  # the router sees the steps as gaps between streamed tokens
+            gap = (self.sim.now - seg.start_s) * 1e3 / seg.count
+            self.token_gaps_ms.extend([gap] * min(seg.count, self.token_gaps_ms.maxlen))
         self._advance(seg.count, seg.batch, self.sim.now)
         self._step()
 

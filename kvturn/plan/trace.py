@@ -1,36 +1,26 @@
-"""What `kvturn plan` simulates: sessions of turns, each turn reduced to the token counts and the think time that
-decide its cost. Read from anything `kvturn bench` replays (vLLM's multi-turn JSON or generator config, a
-kvturn_synthetic config, a built-in scenario) or from a JSONL trace of real traffic, one request a line, as
-`kvturn router --trace-out FILE` writes it:
-
-    {"timestamp": 1764547200.12, "conversation_id": "c1", "prompt_tokens": 5120, "output_tokens": 48,
-     "finished": 1764547201.9}
-
-`timestamp` is when the request arrived (seconds); `finished` (optional) when its answer ended, so that the think
-time before the next turn is known exactly; without it the think time is the gap between arrivals.
-`shared_tokens` (optional, a log that knows it) is how many leading tokens of the prompt are the previous turn's
-prompt and answer as generated; without it `continues` infers it from the lengths.
-"""
+"""What `kvturn plan` simulates: sessions of turns, each reduced to the token counts and think time that decide its
+cost, read from anything `kvturn bench` replays or from a JSONL trace of real traffic as `kvturn router --trace-out`
+writes it (the format: docs/planner.md)."""
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvturn.bench import catalog, workload as bench_workload
-from kvturn.model.tokenizer import ChatTokenizer
-from kvturn.plan.rows import MAX_TOKENS, number_within
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-TRACE_FIELDS = ("timestamp", "conversation_id", "prompt_tokens", "output_tokens")
+from kvturn.bench import catalog
+from kvturn.bench import workload as bench_workload
+from kvturn.model.tokenizer import ChatTokenizer
+
 MAX_TIMESTAMP_S = 1e11  # a finite time in seconds, epoch or relative (year 5138)
+MAX_TOKENS = 2**24  # of a prompt or an answer
 
 
 @dataclass(frozen=True, slots=True)
 class TurnDemand:
     prompt_tokens: int
     output_tokens: int
-    # leading tokens of this prompt equal to the previous turn's prompt + answer; with answers resent shorter than
-    # generated (resend_answers), the previous prompt + answer as generated, which this prompt continues
-    shared_tokens: int
+    shared_tokens: int  # leading tokens of this prompt equal to the previous turn's prompt + answer
     think_s: float = 0.0  # from the end of the previous turn to the start of this one
 
 
@@ -46,9 +36,6 @@ class Workload:
     name: str
     sessions: list[Session]
     clients: int | None = None  # sessions replayed at once, each after the last (None: by the sessions' start_s)
-    # Every prompt counts the answers before it at the tokens they were generated as (conversations, whose answers
-    # are not known yet), not at what their text came to when resent (a trace counts what was sent)
-    answers_as_generated: bool = False
 
     @property
     def num_turns(self) -> int:
@@ -60,54 +47,19 @@ class TraceError(ValueError):
 
 
 def continues(previous: TurnDemand, prompt_tokens: int) -> int:
-    """Tokens a prompt shares with the previous turn's prompt and answer, inferred from lengths alone: all of them
-    when it extends them (an agent's next turn); the previous prompt when it is shorter than that but not than the
-    previous prompt (the answer came back shorter than generated: a reasoning model's thinking dropped from the
-    history, a tokenizer that merges the answer's tokens); nothing when it is shorter than the previous prompt
-    (edited or truncated)."""
+    """Tokens a prompt shares with the previous turn's prompt and answer, from lengths alone: all of them when it
+    extends them; the previous prompt when the answer came back shorter (thinking dropped from the history);
+    nothing when it is shorter than the previous prompt (edited or truncated)."""
     history = previous.prompt_tokens + previous.output_tokens
     if prompt_tokens >= history:
         return history
     return previous.prompt_tokens if prompt_tokens >= previous.prompt_tokens else 0
 
 
-def shares_history(previous: TurnDemand | None, turn: TurnDemand) -> bool:
-    """Whether `turn` shares all of the previous turn's prompt and answer (as `continues` found it extend them)."""
-    return previous is not None and turn.shared_tokens == previous.prompt_tokens + previous.output_tokens
-
-
-def reusable(previous: TurnDemand | None, turn: TurnDemand, answer_share: float) -> int:
-    """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, less the part
-    of the previous answer that comes back as other tokens than those generated (all but `answer_share` of it;
-    Calibration.answer_share), and never its last token. A prompt that does not continue the previous prompt and
-    answer keeps its own."""
-    shareable = turn.shared_tokens
-    if shares_history(previous, turn):
-        shareable = previous.prompt_tokens + int(answer_share * previous.output_tokens)
-    return min(shareable, turn.prompt_tokens - 1)
-
-
-def resend_answers(workload: Workload, ratio: float | None) -> Workload:
-    """`workload` with each answer resent at `ratio` of the tokens generated (Calibration.resent_answer_ratio): a
-    model's answer is sent back as text, which its tokenizer need not make into as many tokens again (the embedded
-    random-weight model's come to about two thirds). Every later prompt of the session is shorter by what the
-    answers before it lost; a turn that continued the previous prompt and answer still does, at the previous
-    answer's generated length (the KV its decode worker holds), which may now reach past its own prompt. A
-    trace, or no ratio measured, is kept as it is."""
-    if ratio is None or not workload.answers_as_generated:
-        return workload
-    sessions = []
-    for session in workload.sessions:
-        turns: list[TurnDemand] = []
-        answered = 0  # tokens generated before the turn; they come back as round(ratio x answered), not each alone
-        for before, turn in zip([None, *session.turns], session.turns):
-            prompt = max(turn.prompt_tokens - (answered - round(ratio * answered)), 1)
-            shared = turns[-1].prompt_tokens + before.output_tokens if shares_history(before, turn) else \
-                min(turn.shared_tokens, prompt)
-            turns.append(replace(turn, prompt_tokens=prompt, shared_tokens=shared))
-            answered += turn.output_tokens
-        sessions.append(replace(session, turns=turns))
-    return replace(workload, sessions=sessions, answers_as_generated=False)
+def reusable(previous: TurnDemand | None, turn: TurnDemand) -> int:
+    """The leading tokens of `turn`'s prompt whose KV the previous turn can leave: its shared tokens, never its
+    last token (computed for its logits)."""
+    return min(turn.shared_tokens, turn.prompt_tokens - 1) if previous is not None else 0
 
 
 def from_conversations(name: str, conversations: list, tokenizer, clients: int) -> Workload:
@@ -127,50 +79,45 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
             messages.append({"role": "assistant", "content": ""})
             answered += turn.answer_tokens
         sessions.append(Session(conv.conversation_id, turns))
-    return Workload(name, sessions, clients, answers_as_generated=True)
+    return Workload(name, sessions, clients)
 
 
-def _trace_record(line: str, where: str) -> dict:
+class TraceRecord(BaseModel):
+    """One line of a trace, as `kvturn router --trace-out` writes it."""
+    model_config = ConfigDict(strict=True, frozen=True)
+    timestamp: float = Field(allow_inf_nan=False, ge=-MAX_TIMESTAMP_S, le=MAX_TIMESTAMP_S)
+    conversation_id: str
+    prompt_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    output_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    finished: float | None = Field(None, allow_inf_nan=False, ge=-MAX_TIMESTAMP_S, le=MAX_TIMESTAMP_S)
+    shared_tokens: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _in_order(self) -> "TraceRecord":
+        if self.finished is not None and self.finished < self.timestamp:
+            raise ValueError("'finished' must not be before 'timestamp'")
+        if self.shared_tokens is not None and self.shared_tokens > self.prompt_tokens:
+            raise ValueError("'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
+        return self
+
+
+def _record(data, where: str) -> TraceRecord:
+    """A trace record, or TraceError saying where and which field is wrong."""
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-    return _checked(record, where)
+        return TraceRecord.model_validate(data)
+    except ValidationError as exc:
+        raise TraceError(f"{where}: " + "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"]
+                                                   else e["msg"] for e in exc.errors())) from None
 
 
-def _checked(record, where: str) -> dict:
-    """A trace record as the planner needs it, or TraceError saying which field is wrong."""
-    if not isinstance(record, dict):
-        raise TraceError(f"{where}: expected an object with {', '.join(TRACE_FIELDS)}")
-    if not isinstance(record.get("conversation_id"), str):
-        raise TraceError(f"{where}: 'conversation_id' missing or not a string")
-    for name in ("timestamp", "finished"):
-        value = record.get(name)
-        if (value is not None or name == "timestamp") and not number_within(value, -MAX_TIMESTAMP_S,
-                                                                             MAX_TIMESTAMP_S):
-            raise TraceError(f"{where}: {name!r} missing or not a finite number of seconds")
-    for name in ("prompt_tokens", "output_tokens"):
-        if type(record.get(name)) is not int:
-            raise TraceError(f"{where}: {name!r} missing or not a whole number")
-        if not 1 <= record[name] <= MAX_TOKENS:
-            raise TraceError(f"{where}: {name!r} must be at least 1 and at most {MAX_TOKENS}")
-    if record.get("finished") is not None and record["finished"] < record["timestamp"]:
-        raise TraceError(f"{where}: 'finished' must not be before 'timestamp'")
-    shared = record.get("shared_tokens")
-    if shared is not None and (type(shared) is not int or not 0 <= shared <= record["prompt_tokens"]):
-        raise TraceError(f"{where}: 'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
-    return record
-
-
-def _shared(turns: list[TurnDemand], record: dict) -> int:
-    """The leading tokens `record`'s prompt shares with the previous turn's prompt and answer: as the trace says,
-    within that history, or as `continues` infers; none for a conversation's first turn."""
+def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
+    """What `record`'s prompt shares with the previous turn's prompt and answer: as the trace says, within that
+    history, or as `continues` infers."""
     if not turns:
         return 0
-    previous = turns[-1]
-    if record.get("shared_tokens") is None:
-        return continues(previous, record["prompt_tokens"])
-    return min(record["shared_tokens"], previous.prompt_tokens + previous.output_tokens)
+    if record.shared_tokens is None:
+        return continues(turns[-1], record.prompt_tokens)
+    return min(record.shared_tokens, turns[-1].prompt_tokens + turns[-1].output_tokens)
 
 
 def from_trace(path: Path) -> Workload:
@@ -181,31 +128,33 @@ def from_trace(path: Path) -> Workload:
         with open(path, encoding="utf-8") as lines:
             for number, line in enumerate(lines, 1):
                 if line.strip():
-                    records.append(_trace_record(line, f"{path}:{number}"))
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+                    records.append(_record(data, f"{path}:{number}"))
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
     return from_records(Path(path).stem, records, str(path))
 
 
-def from_records(name: str, records: list[dict], where: str) -> Workload:
-    """Checked trace records (`_checked`) as a workload."""
-    by_conversation: dict[str, list[dict]] = {}
+def from_records(name: str, records: list[TraceRecord], where: str) -> Workload:
+    by_conversation: dict[str, list[TraceRecord]] = {}
     for record in records:
-        by_conversation.setdefault(record["conversation_id"], []).append(record)
+        by_conversation.setdefault(record.conversation_id, []).append(record)
     if not by_conversation:
         raise TraceError(f"{where}: no requests in the trace")
-    origin = min(r["timestamp"] for r in records)
+    origin = min(r.timestamp for r in records)
     sessions = []
     for conversation_id, turns_of in by_conversation.items():
-        turns_of.sort(key=lambda r: r["timestamp"])
+        turns_of.sort(key=lambda r: r.timestamp)
         turns: list[TurnDemand] = []
         for previous, record in zip([None, *turns_of], turns_of):
-            think = 0.0
-            if previous is not None:
-                ended = previous["timestamp"] if previous.get("finished") is None else previous["finished"]
-                think = max(record["timestamp"] - ended, 0.0)
-            turns.append(TurnDemand(record["prompt_tokens"], record["output_tokens"], _shared(turns, record), think))
-        sessions.append(Session(conversation_id, turns, turns_of[0]["timestamp"] - origin))
+            ended = None if previous is None else previous.timestamp if previous.finished is None else \
+                previous.finished
+            think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
+            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, _shared(turns, record), think))
+        sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
     return Workload(name, sorted(sessions, key=lambda s: s.start_s))
 
 
@@ -219,20 +168,17 @@ def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: i
 
 
 def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> Workload:
-    """Any input `kvturn bench --workload` takes (its text counted in tokens by the model's tokenizer), or a JSONL
-    trace (by its .jsonl suffix, or JSON that is one trace record). `model_dir()` is called only for text to
-    tokenize: a trace counts tokens already, and needs no model (nor torch, which finding one imports)."""
+    """Any input `kvturn bench --workload` takes (its text counted by the model's tokenizer), or a JSONL trace
+    (.jsonl). `model_dir()` is called only for text to tokenize: a trace needs no model."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     if path.suffix == ".jsonl":
         return from_trace(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
-    if isinstance(data, dict) and "timestamp" in data:
-        return from_records(path.stem, [_checked(data, str(path))], str(path))
     tokenizer = ChatTokenizer(model_dir())
     try:
         conversations = bench_workload.load_file(path, tokenizer, seed)

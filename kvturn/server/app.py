@@ -171,9 +171,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
 
     @app.get("/kv/calibration")
     async def calibration():
-        """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request; and for
-        `kvturn plan --calibration URL`, the KV bytes a token takes and the reads from peers so far (as /metrics
-        counts them)."""
+        """Prefill steps timed at start-up (engine/calibration.py), for routers to learn before any request; and the
+        KV bytes a token takes and the reads from peers so far (as /metrics counts them)."""
         layout = worker.engine.kv_cache.layout
         stats = worker.connector.stats if worker.connector else ConnectorStats()  # a colocated worker reads none
         return {"role": config.role, "prefill_steps": worker.calibration,
