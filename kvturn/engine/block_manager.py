@@ -27,9 +27,10 @@ def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None =
     data = np.asarray(token_ids[first * block_size:full * block_size], dtype=np.int64).tobytes()  # one conversion
     step = block_size * 8
     parent = hashes[-1] if hashes else 0
+    append, digest = hashes.append, xxhash.xxh64_intdigest
     for start in range(0, (full - first) * step, step):
-        parent = _chain(parent, data[start:start + step])
-        hashes.append(parent)
+        parent = digest(data[start:start + step], parent) & HASH_MASK
+        append(parent)
     return hashes
 
 
@@ -38,9 +39,8 @@ def chain_hash(parent: int, block_token_ids) -> int:
 
 
 def _chain(parent: int, block_bytes: bytes) -> int:
-    hasher = xxhash.xxh64(parent.to_bytes(8, "little"))
-    hasher.update(block_bytes)
-    return hasher.intdigest() & HASH_MASK
+    """A block's hash chained on its parent's: xxh64 of its token ids (int64 bytes), seeded with the parent's."""
+    return xxhash.xxh64_intdigest(block_bytes, parent) & HASH_MASK
 
 
 @dataclass(slots=True)

@@ -208,4 +208,4 @@ class KVTransferAgent:
             log.debug("release_xfer_handle failed", exc_info=True)
 
     def scratch_epochs(self, local_ids: list[int]) -> list[int]:
-        return [int(self.epoch_scratch[i]) for i in local_ids]
+        return self.epoch_scratch[local_ids].tolist()

@@ -22,8 +22,7 @@ def _int_list(value: Any, name: str) -> list[int] | None:
         return None
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
         value = value[0]  # vLLM: one list per KV cache group; kvturn has one group
-    if not isinstance(value, list) or len(value) > MAX_BLOCKS or \
-            not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS or not set(map(type, value)) <= {int}:  # bool is not
         raise BadKVParams(f"{name} must be a list of integers")
     return value
 
