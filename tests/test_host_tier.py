@@ -246,3 +246,17 @@ def test_the_router_guesses_a_lease_unused_past_its_workers_pool_horizon_is_in_t
     worker.pool_horizon_s = 60.0
     assert lease_tier.guess(entry, worker, now=150.0) == "pool"
     assert lease_tier.guess(entry, worker, now=161.0) == "host"
+
+
+def test_the_host_tier_hands_out_a_run_of_consecutive_blocks_while_one_is_free():
+    from kvturn.engine.kv_cache import LAYER_MAJOR, KVCache, KVLayout
+    from kvturn.kv_transfer.host_tier import HostTier
+    tier = HostTier(KVCache(KVLayout("qwen3", "float32", 4, 16, 2, 1, 4, LAYER_MAJOR)), 20)
+    first, second, third = tier.allocate(5), tier.allocate(5), tier.allocate(5)
+    tier.free(second)
+    assert tier.allocate(3) == [5, 6, 7]  # the freed run, not whatever was freed first
+    assert tier.allocate(4) == [15, 16, 17, 18]  # the gap of 2 left is too short
+    tier.free(first)
+    assert tier.allocate(7) == [0, 1, 2, 3, 4, 8, 9]  # no run is long enough: the lowest free ids
+    assert tier.num_free_blocks == 1 and tier.allocate(2) is None
+    assert list(tier.epochs[:5]) == [3] * 5  # handed out, let go, handed out: a stale reader sees the change
