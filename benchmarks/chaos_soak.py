@@ -25,14 +25,12 @@ from pathlib import Path
 import httpx
 
 from chaos import Chaos, schedule
-from kvturn.bench import workload
 from kvturn.bench.client import RequestRecord, model_name, one_turn
 from kvturn.bench.machine import machine, write_json
 from kvturn.config import SupervisorConfig
 from kvturn.launch import LocalStack, RedisServer
 from kvturn.model.make_model import default_model_dir
-from kvturn.model.tokenizer import ChatTokenizer
-from soak import KEYS_PER_CONVERSATION, redis_keys
+from soak import KEYS_PER_CONVERSATION, redis_keys, soak_conversations
 from watch import Watch, rss_verdicts
 
 RETRY_PAUSE_S = 1.0  # an agent's pause before it sends a failed turn again
@@ -216,13 +214,7 @@ def main() -> None:
     # The longest a turn may take without hanging: the wait for a worker, then prefill's and decode's silence.
     args.client_timeout_s = args.no_worker_wait_s + 2 * args.upstream_timeout_s + 30
     model_dir = default_model_dir("tiny")
-    source = workload.TextSource(ChatTokenizer(model_dir))
-    spec = workload.SyntheticSpec(num_sessions=args.sessions * 8,
-                                  system_tokens={"distribution": "uniform", "min": 200, "max": 1500},
-                                  num_turns={"distribution": "uniform", "min": 3, "max": 8}, new_tokens=80,
-                                  answer_tokens={"distribution": "uniform", "min": 8, "max": 32},
-                                  gap_s={"distribution": "uniform", "min": 0.0, "max": 1.0})
-    conversations = workload.synthetic(spec, source, args.seed, "chaos")
+    conversations = soak_conversations(model_dir, args.sessions, args.seed, "chaos")
     with RedisServer() as redis_server:
         stack = LocalStack(model_dir, kv_cache_mb=args.kv_cache_mb, prefix_caching_on_prefill=False,
                            num_prefill=args.prefill, num_decode=args.decode, num_routers=args.routers,

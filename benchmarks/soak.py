@@ -59,6 +59,17 @@ def redis_keys(url: str) -> dict[str, int]:
     return counts
 
 
+def soak_conversations(model_dir, sessions: int, seed: int, prefix: str) -> list:
+    """The soaks' agent sessions: eight conversations per concurrent session, 200-1,500-token system prompts, 3-8
+    turns of 80 new tokens and 8-32-token answers, up to 1 s of think time."""
+    spec = workload.SyntheticSpec(num_sessions=sessions * 8,
+                                  system_tokens={"distribution": "uniform", "min": 200, "max": 1500},
+                                  num_turns={"distribution": "uniform", "min": 3, "max": 8}, new_tokens=80,
+                                  answer_tokens={"distribution": "uniform", "min": 8, "max": 32},
+                                  gap_s={"distribution": "uniform", "min": 0.0, "max": 1.0})
+    return workload.synthetic(spec, workload.TextSource(ChatTokenizer(model_dir)), seed, prefix)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration-s", type=float, default=180.0)
@@ -79,13 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     use_redis = args.state == "redis" or (args.state == "auto" and args.routers > 1)
     model_dir = default_model_dir("tiny")
-    source = workload.TextSource(ChatTokenizer(model_dir))
-    spec = workload.SyntheticSpec(num_sessions=args.sessions * 8,
-                                  system_tokens={"distribution": "uniform", "min": 200, "max": 1500},
-                                  num_turns={"distribution": "uniform", "min": 3, "max": 8}, new_tokens=80,
-                                  answer_tokens={"distribution": "uniform", "min": 8, "max": 32},
-                                  gap_s={"distribution": "uniform", "min": 0.0, "max": 1.0})
-    conversations = workload.synthetic(spec, source, args.seed, "soak")
+    conversations = soak_conversations(model_dir, args.sessions, args.seed, "soak")
     console = Console(width=140)
     redis_server = RedisServer().start() if use_redis else None
     try:
