@@ -1,9 +1,12 @@
 """Measure NIXL READ time between two processes: raw (one descriptor) and as kvturn block reads.
 
-Used by `benchmarks/transfer.py` and by the benchmark report's ideal-speedup estimate.
-`python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR` is the remote side.
+Used by `benchmarks/transfer.py`, by the benchmark report's ideal-speedup estimate and, as a probe timing raw reads
+while a benchmark's load runs, by `benchmarks/memory_pressure.py`.
+`python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR` is the remote side;
+`python -m kvturn.bench.nixl_read --probe NBYTES INTERVAL_S MODEL_DIR` the probe.
 """
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -98,6 +101,46 @@ class ReadBench:
         self.close()
 
 
+class RawReadProbe:
+    """Raw NIXL READs of `nbytes`, one every `interval_s`, timed by a process pair of their own while something else
+    runs: the bandwidth a reader gets from this machine in the same moments (on a shared machine it changes from
+    minute to minute, and a benchmark's own load takes its share)."""
+
+    def __init__(self, model_dir: str | Path, nbytes: int, interval_s: float = 0.2):
+        self.nbytes = nbytes
+        self.process = subprocess.Popen([sys.executable, "-m", "kvturn.bench.nixl_read", "--probe", str(nbytes),
+                                         str(interval_s), str(model_dir)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def stop(self) -> list[float]:
+        """End the probe; the seconds each of its reads took."""
+        out, _ = self.process.communicate(timeout=60)  # closing its stdin ends it
+        for line in out.splitlines():
+            if line.startswith("SAMPLES "):
+                return json.loads(line[8:])
+        raise RuntimeError(f"the raw-read probe exited ({self.process.returncode}) without its samples")
+
+    def __enter__(self) -> "RawReadProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _probe(nbytes: int, interval_s: float, model_dir: str) -> None:
+    with ReadBench(model_dir, nbytes // 2**20 + 2) as bench:
+        read = bench.raw_read(nbytes)
+        read()  # first-use costs
+        samples = []
+        while not select.select([sys.stdin], [], [], interval_s)[0]:  # stdin turns readable when it closes
+            start = time.perf_counter()
+            read()
+            samples.append(time.perf_counter() - start)
+    print("SAMPLES " + json.dumps(samples), flush=True)
+
+
 def _serve(pool_mib: int, model_dir: str) -> None:
     agent, kv, raw = make_side(model_dir, pool_mib, "bench-remote")
     print("HELLO " + json.dumps({"info": agent.local_info(), "raw_address": raw.data_ptr()}), flush=True)
@@ -107,5 +150,7 @@ def _serve(pool_mib: int, model_dir: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":
         _serve(int(sys.argv[2]), sys.argv[3])
+    elif len(sys.argv) == 5 and sys.argv[1] == "--probe":
+        _probe(int(sys.argv[2]), float(sys.argv[3]), sys.argv[4])
     else:
-        sys.exit("usage: python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR")
+        sys.exit("usage: python -m kvturn.bench.nixl_read --serve MIB MODEL_DIR | --probe NBYTES INTERVAL_S MODEL_DIR")
