@@ -70,3 +70,25 @@ def test_a_growing_sequence_gets_the_block_after_its_last_when_that_one_is_free(
     assert bm.allocate_new(after=other) == 4  # the block after the sequence's last, out of LRU order
     assert bm.allocate_new(after=run[-1]) == 5  # block 3 is taken: the least recently freed instead
     assert bm.allocate_new(after=7) == 6  # past the pool's end: the least recently freed
+
+
+def test_a_growing_sequence_does_not_take_the_next_block_out_of_lru_order_when_it_holds_cached_kv():
+    """Conversations whose blocks lie side by side: the first one's next turn grows past its cached prefix, and
+    the block after its last is the second conversation's, freed but cached. Taking it would evict that history
+    while never-used blocks wait (a colocated worker recomputed every other conversation's whole history so)."""
+    bm = BlockManager(16, 16)
+    first, second = list(range(32)), list(range(100, 132))
+    for tokens in (first, second):
+        blocks = [bm.allocate_new() for _ in range(2)]
+        for block, h, start in zip(blocks, block_hashes(tokens, 16), (0, 16)):
+            bm.publish(block, h, tuple(tokens[start:start + 16]))
+        bm.release_all(blocks)
+    hit = bm.cached_prefix(first, block_hashes(first, 16))
+    assert hit == [0, 1]
+    for block in hit:
+        bm.take(block)
+    grown = bm.allocate_new(after=hit[-1])
+    assert grown not in (2, 3)  # the second conversation's blocks
+    assert bm.cached_prefix(second, block_hashes(second, 16)) == [2, 3]
+    bm.release(grown)
+    assert bm.allocate_new(after=grown - 1) == grown  # an uncached free block after the last is still taken

@@ -95,11 +95,13 @@ class BlockManager:
         block.ref_count += 1
 
     def allocate_new(self, after: int | None = None) -> int:
-        """Hand out a block for new contents: the one right after block `after` if it is free (a growing sequence's
-        blocks then stay one run, which attention reads in place and NIXL moves as one piece), else the least
-        recently freed."""
-        if after is not None and after + 1 in self.free_block_ids:
-            block_id = after + 1
+        """Hand out a block for new contents: the one right after block `after` if it is free and holds no cached
+        KV (a growing sequence's blocks then stay one run, which attention reads in place and NIXL moves as one
+        piece; a cached one is left to the least-recently-freed order, or another conversation's history next to
+        ours would go first), else the least recently freed."""
+        following = None if after is None else after + 1
+        if following in self.free_block_ids and self.blocks[following].hash == NO_HASH:
+            block_id = following
             del self.free_block_ids[block_id]
         else:
             block_id, _ = self.free_block_ids.popitem(last=False)
