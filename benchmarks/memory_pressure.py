@@ -7,7 +7,7 @@ what the decode worker's retained budget holds) against four legs, one after the
     retain/unbounded    a pool that holds every lease: the ceiling
 
     python benchmarks/memory_pressure.py [--sessions 32] [--turns 4] [--rounds 1] [--kv-cache-mb 512]
-                                         [--out results/memory-pressure]
+                                         [--pin-workers] [--out results/memory-pressure]
 
 It prints one table and checks the targets: later turns reused >= 95% with the host tier; its TTFT p50 within 15% of
 the unbounded pool's; its host-tier reads at >= 80% of the raw NIXL READ bandwidth between two processes; no answer
@@ -59,7 +59,8 @@ def run_leg(model_dir: str, name: str, conversations, args, source, console: Con
     """The leg's turns, its decode worker's metrics and the seconds of each raw read the probe timed meanwhile."""
     scenario = catalog.SCENARIOS["memory-pressure"]
     console.print(f"[bold]{name}[/bold]: starting")
-    with leg_stack(model_dir, name, args.out / "logs" / name.replace("/", "_"), args.kv_cache_mb, scenario) as stack:
+    with leg_stack(model_dir, name, args.out / "logs" / name.replace("/", "_"), args.kv_cache_mb, scenario,
+                   args.pin_workers) as stack:
         warm_up(stack.url, source)
         with RawReadProbe(model_dir, PROBE_BYTES) as probe:
             result = asyncio.run(client.run(stack.url, conversations, sessions=args.sessions, seed=args.seed,
@@ -118,6 +119,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run the legs this many times in alternating order "
                         "(ABC, CBA, ...), so that a shared machine's changing load falls on each alike; their turns "
                         "are pooled (the colocated reference runs once)")
+    parser.add_argument("--pin-workers", action="store_true", help="P and D on cores of their own (as on machines "
+                        "of their own); the router, the client and the raw-read probe share all cores")
     parser.add_argument("--out", type=Path, default=Path("results/memory-pressure"))
     args = parser.parse_args()
     console = Console(width=160)
@@ -166,8 +169,10 @@ def main() -> None:
         console.print(line)
     path = write_json(args.out / "results.json", {
         "scenario": "memory-pressure", "command": "python benchmarks/memory_pressure.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "machine": machine(), "raw_nixl_read_mib_per_s_idle": idle_raw, "probe_bytes": PROBE_BYTES, "targets": targets, "summaries": summaries,
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items()
+            if k != "out" and v is not False),
+        "machine": machine(), "raw_nixl_read_mib_per_s_idle": idle_raw, "probe_bytes": PROBE_BYTES, "targets": targets,
+        "summaries": summaries,
         "legs": {name: result.to_json() for name, (result, _) in runs.items()}})
     console.print(f"JSON: {path}")
 
@@ -185,8 +190,8 @@ def targets_met(summaries: dict, idle_raw: float | None) -> dict:
     speed, raw = host["read_mib_per_s"]["host"], host["raw_read_mib_per_s_during_leg"]
     if speed and raw:
         out["read_fraction_of_raw"] = speed / raw
-        out["lines"].append(f"host tier: reads at {speed:.0f} MiB/s (median of reads), {out['read_fraction_of_raw']:.0%} "
-                            f"of the raw NIXL READs timed while the leg ran ({raw:.0f} MiB/s, {PROBE_BYTES >> 20} MiB "
+        out["lines"].append(f"host tier: reads at {speed:.0f} MiB/s (median of reads), "
+                            f"{out['read_fraction_of_raw']:.0%} of the raw NIXL READs timed while the leg ran ({raw:.0f} MiB/s, {PROBE_BYTES >> 20} MiB "
                             f"each; target >= 80%)")
     if speed and idle_raw:
         out["read_fraction_of_idle_raw"] = speed / idle_raw

@@ -5,9 +5,10 @@ keeps each worker's steps in service, so each one is also a calibration. For eve
 workloads, B is planned from A's run alone (`kvturn plan --calibration OUT/measured/A/results.json --one-host`) and
 each leg's predicted TTFT p50, with its range over the calibration's halves, and peak retained KV are set against
 what B's own run measured, and so is the speedup of reuse (later-turn TTFT p50 of pd/P-cache-off over
-bidir/P-cache-off's) where both legs ran. Targets (issue #40): TTFT p50 within 20%, the speedup within 15%. The workloads: the bench scenarios (sweep, agent-loop, concurrent), the calibration
-workload (benchmarks/plan_calibration.json) and two synthetic ones of other shapes, many short chats and a few long
-agents (written to OUT/workloads). The table goes to OUT/accuracy.md and OUT/accuracy.json.
+bidir/P-cache-off's) where both legs ran. Targets (issue #40): TTFT p50 within 20%, the speedup within 15%. The
+workloads: the bench scenarios (sweep, agent-loop, concurrent), the calibration workload
+(benchmarks/plan_calibration.json) and two synthetic ones of other shapes, many short chats and a few long agents
+(written to OUT/workloads). The table goes to OUT/accuracy.md and OUT/accuracy.json.
 
     python benchmarks/plan_accuracy.py --pin-workers          # every workload, every leg (about an hour on 2 cores)
     python benchmarks/plan_accuracy.py --quick                # two small synthetic workloads, two legs: a smoke run
