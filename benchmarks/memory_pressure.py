@@ -191,8 +191,8 @@ def targets_met(summaries: dict, idle_raw: float | None) -> dict:
     if speed and raw:
         out["read_fraction_of_raw"] = speed / raw
         out["lines"].append(f"host tier: reads at {speed:.0f} MiB/s (median of reads), "
-                            f"{out['read_fraction_of_raw']:.0%} of the raw NIXL READs timed while the leg ran ({raw:.0f} MiB/s, {PROBE_BYTES >> 20} MiB "
-                            f"each; target >= 80%)")
+                            f"{out['read_fraction_of_raw']:.0%} of the raw NIXL READs timed while the leg ran "
+                            f"({raw:.0f} MiB/s, {PROBE_BYTES >> 20} MiB each; target >= 80%)")
     if speed and idle_raw:
         out["read_fraction_of_idle_raw"] = speed / idle_raw
         out["lines"].append(f"  and {out['read_fraction_of_idle_raw']:.0%} of a raw READ of the median read's size on "
