@@ -29,6 +29,8 @@ for tokens in 4000 16000 32000; do
 done
 run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
 run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
+run plan-accuracy $PY benchmarks/plan_accuracy.py --workloads calibration,short-chats,long-agents,sweep \
+    --legs colocated,pd/P-cache-off,bidir/P-cache-off --pin-workers --out "$OUT/plan-accuracy"
 run demo $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 8192 --out "$OUT/demo"
 run demo-real bash -c "$PY -m kvturn.cli models pull smollm2 && $PY -m kvturn.cli bench --compare --model smollm2 \
     --scenario real-chat --legs pd/P-cache-off,bidir/P-cache-off --out $OUT/demo-real"
