@@ -1,6 +1,7 @@
 """`kvturn plan`: simulate every leg with the calibration and with each of its halves (the range a figure moves
 in), sweep the candidate's TTL and host tier, and say whether bidirectional transfer pays and what memory in which
 tier keeps the reuse it brings."""
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,14 +31,6 @@ class SweepPoint:
     peak_pool_mib: float
     peak_host_mib: float
     reuse_share: float
-
-
-def candidate_leg(policy: str, prefix_caching_on_prefill: bool) -> str:
-    return POLICY_LEGS[policy].format(cache="on" if prefix_caching_on_prefill else "off")
-
-
-def baseline_leg(prefix_caching_on_prefill: bool) -> str:
-    return f"pd/P-cache-{'on' if prefix_caching_on_prefill else 'off'}"
 
 
 def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
@@ -130,7 +123,8 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     """`host_shares`: the host tiers to sweep beside the deployment's own, as shares of the candidate's peak
     retained KV on one decode worker."""
     started = time.perf_counter()
-    baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
+    cache = "on" if prefix_caching_on_prefill else "off"
+    baseline, candidate = f"pd/P-cache-{cache}", POLICY_LEGS[policy].format(cache=cache)
     chosen = list(dict.fromkeys([*legs, baseline, candidate]))
     jobs = [(leg, deployment) for leg in chosen]
     predictions = dict(zip(chosen, simulate_many(workload, calibration, jobs)))
@@ -144,7 +138,8 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
     answer = retention_answer(points, reuse_target)
     legs_out = {leg: {**predictions[leg].public(), "ttft_p50_ms_range": ranges["ttft_p50_ms"][leg][1:]}
                 for leg in chosen}
-    return json_safe({
+    # every NaN (a figure with nothing to measure) as None: null in plan.json, which strict JSON readers parse
+    return json.loads(json.dumps({
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients},
         "deployment": asdict(deployment),
@@ -156,15 +151,4 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
         "left_out": LEFT_OUT,
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
-    })
-
-
-def json_safe(value):
-    """`value` with every NaN or infinite float as None (null in plan.json, which strict JSON readers parse)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+    }), parse_constant=lambda constant: None)
