@@ -99,19 +99,19 @@ class Calibration(BaseModel):
 def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None = None) -> dict:
     """A Calibration's fields from steps in service. A prompt step's time is taken less what the decodes beside it
     added (the simulation adds them back); D, which computes few shapes of prompt, scales P's fit."""
-    samples = step_samples.collect(legs, half)
-    if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
-        raise CalibrationError(f"too few steps in service to fit: {len(samples.prompts['prefill'])} prompt steps of "
-                               f"prefill workers, {len(samples.decodes['decode'])} decode steps of decode workers "
+    prompts, decodes = step_samples.collect(legs, half)
+    if len(prompts["prefill"]) < MIN_FIT_SAMPLES or len(decodes["decode"]) < MIN_FIT_SAMPLES:
+        raise CalibrationError(f"too few steps in service to fit: {len(prompts['prefill'])} prompt steps of "
+                               f"prefill workers, {len(decodes['decode'])} decode steps of decode workers "
                                f"(need {MIN_FIT_SAMPLES} of each): run kvturn bench --compare with a P/D leg")
-    decode_step, contention = fit_decode_steps(samples.decodes["decode"])
-    colocated = samples.decodes["colocated"]
+    decode_step, contention = fit_decode_steps(decodes["decode"])
+    colocated = decodes["colocated"]
     colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": (0.0, 0.0, 0.0), "decode": decode_step, "colocated": colocated_step or decode_step}
     fits, scatter = {}, {}
-    for kind in (kind for kind in WORKER_KINDS if len(samples.prompts[kind]) >= MIN_FIT_SAMPLES):
+    for kind in (kind for kind in WORKER_KINDS if len(prompts[kind]) >= MIN_FIT_SAMPLES):
         _, b, k = own_step[kind]
-        steps = samples.prompts[kind]
+        steps = prompts[kind]
         x = np.array([compute_terms(s.prompts) for s in steps])
         ms = np.array([max(s.ms - s.decodes * (b + k * s.decode_longest / 1e3), s.ms * MIN_PROMPT_SHARE)
                        for s in steps])
@@ -123,9 +123,10 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
                                                    1e-3, 100.0)]
     return {"compute_fits": fits, "decode_step_fit": decode_step, "colocated_step_fit": colocated_step,
             "decode_contention_ms": contention, "step_scatter": scatter,
-            "context_seen": max((n + context for steps in samples.prompts.values() for s in steps
-                                 for n, context in s.prompts), default=0),
-            "samples": {"steps": samples.count(), **{kind: len(s) for kind, s in samples.prompts.items()}}}
+            "context_seen": max((n + context for steps in prompts.values() for s in steps for n, context in s.prompts),
+                                default=0),
+            "samples": {"steps": sum(map(len, [*prompts.values(), *decodes.values()])),
+                        **{kind: len(s) for kind, s in prompts.items()}}}
 
 
 def read_ms_per_mib(pairs: list[tuple[float, int]]) -> float | None:
@@ -138,12 +139,10 @@ def request_fields(runs: list[dict], half: int | None = None) -> dict:
     own overlapped, as the router learns them; a direction nobody read in takes the other's), and each leg's time
     outside compute as a line through the median at each load in flight (each run's legs on their own clock)."""
     legs: dict[str, list] = {}
-    for run in runs:
-        by_leg: dict[str, list] = {}
-        for row in rows_of(run):
-            by_leg.setdefault(row.leg, []).append(row)
-        for leg, rows in by_leg.items():
-            legs.setdefault(leg, []).extend(step_samples.half_of([(in_flight(r, rows), r.other_ms) for r in rows],
+    for rows in map(rows_of, runs):
+        for leg in dict.fromkeys(row.leg for row in rows):
+            of_leg = [row for row in rows if row.leg == leg]
+            legs.setdefault(leg, []).extend(step_samples.half_of([(in_flight(r, of_leg), r.other_ms) for r in of_leg],
                                                                  half))
     rows = step_samples.half_of([row for run in runs for row in rows_of(run)], half)
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]
