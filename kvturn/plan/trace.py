@@ -101,15 +101,6 @@ class TraceRecord(BaseModel):
         return self
 
 
-def _record(data, where: str) -> TraceRecord:
-    """A trace record, or TraceError saying where and which field is wrong."""
-    try:
-        return TraceRecord.model_validate(data)
-    except ValidationError as exc:
-        raise TraceError(f"{where}: " + "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"]
-                                                   else e["msg"] for e in exc.errors())) from None
-
-
 def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
     """What `record`'s prompt shares with the previous turn's prompt and answer: as the trace says, within that
     history, or as `continues` infers."""
@@ -123,27 +114,26 @@ def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
 def from_trace(path: Path) -> Workload:
     """A JSONL trace: requests grouped by conversation in time order; each conversation starts at its first
     request's time, relative to the trace's first request."""
-    records = []
     try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
-                    records.append(_record(data, f"{path}:{number}"))
+        with open(path, encoding="utf-8") as file:
+            lines = [(number, line) for number, line in enumerate(file, 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
-    return from_records(Path(path).stem, records, str(path))
-
-
-def from_records(name: str, records: list[TraceRecord], where: str) -> Workload:
+    records = []
+    for number, line in lines:  # a line that is wrong is named, with the field at fault
+        try:
+            records.append(TraceRecord.model_validate(json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        except ValidationError as exc:
+            wrong = "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"] else e["msg"]
+                              for e in exc.errors())
+            raise TraceError(f"{path}:{number}: {wrong}") from None
     by_conversation: dict[str, list[TraceRecord]] = {}
     for record in records:
         by_conversation.setdefault(record.conversation_id, []).append(record)
     if not by_conversation:
-        raise TraceError(f"{where}: no requests in the trace")
+        raise TraceError(f"{path}: no requests in the trace")
     origin = min(r.timestamp for r in records)
     sessions = []
     for conversation_id, turns_of in by_conversation.items():
@@ -155,7 +145,7 @@ def from_records(name: str, records: list[TraceRecord], where: str) -> Workload:
             think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
             turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, _shared(turns, record), think))
         sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
-    return Workload(name, sorted(sessions, key=lambda s: s.start_s))
+    return Workload(Path(path).stem, sorted(sessions, key=lambda s: s.start_s))
 
 
 def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: int, turns: int,
