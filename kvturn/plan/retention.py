@@ -27,11 +27,6 @@ class Leases:
         self.tiers: dict[str, OrderedDict[str, Lease]] = {POOL: OrderedDict(), HOST: OrderedDict()}
         self.tokens = {POOL: 0, HOST: 0}
 
-    @property
-    def retained_tokens(self) -> int:
-        """In the pool: what its budget bounds."""
-        return self.tokens[POOL]
-
     def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
         self.expire(now)
         self.drop(conversation)  # superseded

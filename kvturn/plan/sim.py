@@ -135,10 +135,8 @@ class Simulation:
         d = deployment
         self.colocated = leg.mode == "colocated"
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
-        loop = lambda kind: StepLoop(self, kind, d.max_num_seqs, d.max_num_batched_tokens,  # noqa: E731
-                                     d.prefill_pack_tokens)
-        self.prefill = [] if self.colocated else [loop("prefill") for _ in range(d.num_prefill)]
-        self.decode = [loop("colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
+        self.prefill = [] if self.colocated else [StepLoop(self, "prefill") for _ in range(d.num_prefill)]
+        self.decode = [StepLoop(self, "colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
         self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
         self.router_decode = RouterPool(self, "decode", len(self.decode))
         for worker, view in zip(self.decode, self.router_decode.workers):
@@ -163,12 +161,11 @@ class Simulation:
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
-    def other_role_busy(self, loop: StepLoop) -> bool:
-        """A worker of the other role is busy on the same cores (never on hardware of their own)."""
-        return self.shared_cores and any(w.busy for w in (self.decode if loop.kind == "prefill" else self.prefill))
-
     def contention_ms(self, loop: StepLoop) -> float:
-        return self.calibration.decode_contention_ms if self.other_role_busy(loop) else 0.0
+        """What a step of `loop` gains while a worker of the other role is busy on the same cores (never on hardware
+        of their own)."""
+        others = self.decode if loop.kind == "prefill" else self.prefill
+        return self.calibration.decode_contention_ms if self.shared_cores and any(w.busy for w in others) else 0.0
 
     def prompt_step_ms(self, loop: StepLoop, chunks: list[tuple[Job, int]]) -> float:
         """A step of `loop` computing the (job, new tokens) `chunks`, scattered as the calibration's steps of that
@@ -341,7 +338,7 @@ class Simulation:
             self.leases[previous.decode].drop(conversation)  # superseded by the lease on another worker
         leases = self.leases[decode]
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
-        while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
+        while leases.tokens[POOL] + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
             pass  # the pool needs room: leases move or go before any running request is preempted
         if lease is not None:
             self.lease_ends.append((lease, decode))
@@ -349,7 +346,7 @@ class Simulation:
             ended, worker = self.lease_ends.popleft()
             if ended.alive:
                 self.leases[worker].drop(ended.conversation)
-        self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
+        self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.tokens[POOL])
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
         else:

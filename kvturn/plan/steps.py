@@ -46,11 +46,8 @@ class Segment:
 
 @dataclass(slots=True, eq=False)
 class StepLoop:
-    sim: object  # the Simulation: now, at(), the calibration, and the price of a step
+    sim: object  # the Simulation: now, at(), the calibration, the deployment's limits, and the price of a step
     kind: str  # "prefill", "decode" or "colocated": which of the calibration's fits applies
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    prefill_pack_tokens: int
     waiting: deque = field(default_factory=deque)
     prefilling: list = field(default_factory=list)
     decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
@@ -127,7 +124,7 @@ class StepLoop:
 
     def _step(self) -> None:
         now, batch = self.sim.now, len(self.decoding)
-        while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
+        while self.waiting and batch + len(self.prefilling) < self.sim.deployment.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
         if not self.prefilling and batch:
             count, longest = self.decoding[0][0] - self.steps, self.longest
@@ -153,12 +150,13 @@ class StepLoop:
         has left), then the waiting ones in turn while the token budget lasts, one whose KV a peer holds whatever
         the pack's room (its read starts, on the worker's own thread before the forward pass), one without only while
         there is room. The prompts just read join the step last, in what room is left."""
-        budget, taken, chunks = self.max_num_batched_tokens - batch, 0, []
+        limits = self.sim.deployment
+        budget, taken, chunks = limits.max_num_batched_tokens - batch, 0, []
 
         def take(job: Job) -> bool:
             nonlocal budget, taken
             n = min(job.prefill_tokens, budget if job.started or not taken else
-                    min(budget, self.prefill_pack_tokens - taken))
+                    min(budget, limits.prefill_pack_tokens - taken))
             if n > 0:
                 chunks.append((job, n))
                 budget, taken = budget - n, taken + n
