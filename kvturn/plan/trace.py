@@ -46,11 +46,17 @@ class TraceError(ValueError):
     """A workload or trace file that cannot be read, with the file (and line) at fault."""
 
 
-def continues(previous: TurnDemand, prompt_tokens: int) -> int:
-    """Tokens a prompt shares with the previous turn's prompt and answer, from lengths alone: all of them when it
-    extends them; the previous prompt when the answer came back shorter (thinking dropped from the history);
-    nothing when it is shorter than the previous prompt (edited or truncated)."""
+def continues(turns: list[TurnDemand], prompt_tokens: int, said: int | None = None) -> int:
+    """Tokens a prompt shares with the prompt and answer of the last of `turns` (none without one): what a trace line
+    `said`, within that history; else from lengths alone: all of them when it extends them; the previous prompt
+    when the answer came back shorter (thinking dropped from the history); nothing when it is shorter than the
+    previous prompt (edited or truncated)."""
+    if not turns:
+        return 0
+    previous = turns[-1]
     history = previous.prompt_tokens + previous.output_tokens
+    if said is not None:
+        return min(said, history)
     if prompt_tokens >= history:
         return history
     return previous.prompt_tokens if prompt_tokens >= previous.prompt_tokens else 0
@@ -73,8 +79,7 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
         for turn in conv.turns:
             messages.append({"role": "user", "content": turn.user})
             prompt = len(tokenizer.encode(tokenizer.apply_chat_template(messages))) + answered
-            shared = min(system_tokens, prompt) if turn.edit_history else (
-                continues(turns[-1], prompt) if turns else 0)
+            shared = min(system_tokens, prompt) if turn.edit_history else continues(turns, prompt)
             turns.append(TurnDemand(prompt, turn.answer_tokens, shared, turn.gap_s if turns else 0.0))
             messages.append({"role": "assistant", "content": ""})
             answered += turn.answer_tokens
@@ -99,16 +104,6 @@ class TraceRecord(BaseModel):
         if self.shared_tokens is not None and self.shared_tokens > self.prompt_tokens:
             raise ValueError("'shared_tokens' must be a whole number from 0 to 'prompt_tokens'")
         return self
-
-
-def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
-    """What `record`'s prompt shares with the previous turn's prompt and answer: as the trace says, within that
-    history, or as `continues` infers."""
-    if not turns:
-        return 0
-    if record.shared_tokens is None:
-        return continues(turns[-1], record.prompt_tokens)
-    return min(record.shared_tokens, turns[-1].prompt_tokens + turns[-1].output_tokens)
 
 
 def from_trace(path: Path) -> Workload:
@@ -143,7 +138,8 @@ def from_trace(path: Path) -> Workload:
             ended = None if previous is None else previous.timestamp if previous.finished is None else \
                 previous.finished
             think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
-            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, _shared(turns, record), think))
+            shared = continues(turns, record.prompt_tokens, record.shared_tokens)
+            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, shared, think))
         sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
     return Workload(Path(path).stem, sorted(sessions, key=lambda s: s.start_s))
 
