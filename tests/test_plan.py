@@ -16,7 +16,7 @@ from kvturn.launch import LocalStack
 from kvturn.plan import calibration, planner, report, trace
 from kvturn.plan.predict import simulate
 from kvturn.plan.retention import Leases
-from kvturn.plan.sim import Deployment, RouterPool, Simulation
+from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.step_samples import Step, parse_step
 from kvturn.plan.steps import Job
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
@@ -460,25 +460,6 @@ def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):
     deployment = Deployment(num_prefill=2, num_decode=3, one_host=True)
     first, second = (simulate(workload, LEGS["adaptive"], deployment, cost_model) for _ in range(2))
     assert first == second and first.turns == 200 and sum(first.paths.values()) == 200
-
-
-def test_the_simulated_router_picks_workers_as_the_routers_own_least_loaded(cost_model, monkeypatch):
-    picks = []
-
-    def both(pool: RouterPool) -> int:
-        index = least_loaded(pool)
-        real = pool.pool.least_loaded()  # kvturn/router/workers.py, on the simulated clock
-        picks.append((pool.workers[index].backlog_ms(pool.sim.now), pool.workers[index].in_flight,
-                      real.backlog_ms(pool.sim.now), real.in_flight))
-        return index
-
-    least_loaded = RouterPool.least_loaded
-    monkeypatch.setattr(RouterPool, "least_loaded", both)
-    workload = agent_sessions(30, 4, think_s=0.2, clients=None)
-    for leg in ("adaptive", "pd/P-cache-off"):
-        simulate(workload, LEGS[leg], Deployment(num_prefill=3, num_decode=3, one_host=True), cost_model)
-    assert len(picks) > 120 and any(p[0] > 0 for p in picks)  # some picks were among backlogged workers
-    assert all(mine[:2] == pytest.approx(real) for mine, real in ((p[:2], p[2:]) for p in picks))
 
 
 def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):

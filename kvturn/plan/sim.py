@@ -90,41 +90,6 @@ def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
                                           {path: calibration.other(leg) for path, leg in other.items()})
 
 
-class RouterPool:
-    """The router's view of one role's workers, kept by its own `WorkerPool`. A worker's predicted backlog falls by
-    a millisecond each millisecond between claims, so it is kept as the time it runs out: a least-loaded pick then
-    prices no pending request."""
-
-    def __init__(self, sim: "Simulation", role: str, size: int):
-        self.sim = sim
-        self.pool = WorkerPool([f"{role}-{i}" for i in range(size)], role, clock=lambda: sim.now)
-        self.workers = self.pool.workers
-        self.free_at_s = [0.0] * size
-
-    def claim(self, index: int, work_ms: float = 0.0) -> Claim:
-        claim = self.pool.claim(self.workers[index], work_ms)
-        self._changed(index)
-        return claim
-
-    def work_done(self, claim: Claim, index: int) -> None:
-        claim.work_done()
-        self._changed(index)
-
-    def release(self, claim: Claim, index: int) -> None:
-        claim.release()
-        self._changed(index)
-
-    def _changed(self, index: int) -> None:
-        self.free_at_s[index] = self.sim.now + self.workers[index].backlog_ms(self.sim.now) / 1e3
-
-    def least_loaded(self) -> int:
-        """`WorkerPool.least_loaded`'s pick: least backlog, then fewest requests in flight, then the first."""
-        now, free_at = self.sim.now, self.free_at_s
-        soonest = min(free_at)
-        candidates = [i for i, free in enumerate(free_at) if (free == soonest if soonest > now else free <= now)]
-        return min(candidates, key=lambda i: self.workers[i].in_flight)
-
-
 class Simulation:
     def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
                  seed: int = 0):
@@ -137,8 +102,9 @@ class Simulation:
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
         self.prefill = [] if self.colocated else [StepLoop(self, "prefill") for _ in range(d.num_prefill)]
         self.decode = [StepLoop(self, "colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
-        self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
-        self.router_decode = RouterPool(self, "decode", len(self.decode))
+        # the router's own view of each role's workers: its load accounting, on the simulated clock
+        self.router_prefill = WorkerPool([str(i) for i in range(len(self.prefill))], "prefill", lambda: self.now)
+        self.router_decode = WorkerPool([str(i) for i in range(len(self.decode))], "decode", lambda: self.now)
         for worker, view in zip(self.decode, self.router_decode.workers):
             worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
         self.pool_tokens = self._tokens_in(d.kv_cache_mb)
@@ -247,8 +213,7 @@ class Simulation:
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
         flight.leased_tokens = entry.lease.tokens if entry else 0
-        prefill_index = self.router_prefill.least_loaded()
-        prefill = self.router_prefill.workers[prefill_index]
+        prefill = self.router_prefill.least_loaded()
         view = costmodel.TurnView(
             turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
             holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
@@ -260,11 +225,12 @@ class Simulation:
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
         if choice.path == costmodel.COMPUTE_ON_DECODE:
-            flight.claim = self.router_decode.claim(entry.decode, choice.work_ms)
+            flight.claim = self.router_decode.claim(holder, choice.work_ms)
             self._compute_on(entry.decode, flight, lease_tokens)
         else:
-            flight.claim = self.router_prefill.claim(prefill_index, choice.work_ms)
-            self._prefill_on(prefill_index, flight, lease_tokens if choice.path == costmodel.PULL else 0)
+            flight.claim = self.router_prefill.claim(prefill, choice.work_ms)
+            self._prefill_on(self.router_prefill.workers.index(prefill), flight,
+                             lease_tokens if choice.path == costmodel.PULL else 0)
 
     def _blocks(self, tokens: int) -> int:
         return max(tokens, 0) // self.deployment.block_size * self.deployment.block_size
@@ -284,7 +250,7 @@ class Simulation:
     def _computed_on_decode(self, job: Job, now: float) -> None:
         flight = job.flight
         if flight.claim is not None:  # a colocated worker has no router in front
-            self.router_decode.work_done(flight.claim, flight.decode)  # D's first text: its predicted work is done
+            flight.claim.work_done()  # D's first text: its predicted work is done
         self._first_token(flight, now, job.compute_ms)
 
     def _prefill_on(self, prefill: int, flight: Flight, lease_tokens: int) -> None:
@@ -307,14 +273,14 @@ class Simulation:
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
-        self.router_prefill.release(flight.claim, flight.prefill)
+        flight.claim.release()
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
         if holder is None or self.router_decode.workers[holder].in_flight >= self.deployment.max_in_flight_per_decode:
-            holder = self.router_decode.least_loaded()
+            holder = self.router_decode.workers.index(self.router_decode.least_loaded())
         flight.decode = holder
-        flight.claim = self.router_decode.claim(holder)
+        flight.claim = self.router_decode.claim(self.router_decode.workers[holder])
         on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
         self._first_token(flight, now, job.compute_ms + flight.read_ms)
@@ -329,7 +295,7 @@ class Simulation:
 
     def _decoded(self, job: Job, now: float) -> None:
         if job.flight.claim is not None:
-            self.router_decode.release(job.flight.claim, job.flight.decode)
+            job.flight.claim.release()
         self._turn_done(job.flight)
 
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:
