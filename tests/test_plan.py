@@ -332,12 +332,12 @@ def test_a_read_from_d_runs_on_ps_thread_before_the_step_that_admits_it_delaying
     sim.at(0.001, prefill.submit_prefill, jobs["pulled"])  # both arrive while the first step computes
     sim.at(0.001, prefill.submit_prefill, jobs["plain"])
     sim.run()
-    assert first_token["first"] == pytest.approx(model.prefill_ms(300, 0) / 1e3)
+    assert first_token["first"] == pytest.approx(model.step_prefill_ms([(300, 0)]) / 1e3)
     together_ms = model.step_prefill_ms([(200, 2000), (100, 0)])
     expected_s = first_token["first"] + (40.0 + together_ms) / 1e3
     assert first_token["pulled"] == pytest.approx(expected_s) and first_token["plain"] == pytest.approx(expected_s)
     assert jobs["pulled"].compute_ms == pytest.approx(together_ms)  # the read is not compute
-    assert prefill.in_flight == 0
+    assert not (prefill.waiting or prefill.prefilling or prefill.decoding)
 
 
 def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_scheduler_reaches_it(cost_model):

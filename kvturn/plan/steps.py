@@ -41,7 +41,6 @@ class Segment:
     count: int
     batch: int
     longest: int
-    version: int
 
 
 @dataclass(slots=True, eq=False)
@@ -54,26 +53,19 @@ class StepLoop:
     steps: int = 0
     context: int = 0  # tokens of KV the decoding requests hold
     longest_base: int = 0  # the decoding requests' longest prompt less the step it joined at
-    in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     steps_in_flight: int = 0  # decode steps the step or segment now running adds to `steps` when it ends
     busy: bool = False
     token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
-    _versions: int = 0
 
     def submit_prefill(self, job: Job) -> None:
-        self.in_flight += 1
         self.waiting.append(job)
         self._wake()
 
     def submit_decode(self, job: Job) -> None:
-        self.in_flight += 1
-        self._start_decode(job, self.sim.now)
-
-    def _start_decode(self, job: Job, now: float) -> None:
         if job.decode_steps <= 0:
-            self._finish(job, now)
+            job.on_finished(job, self.sim.now)
             return
         running = self.busy
         if running:
@@ -86,10 +78,6 @@ class StepLoop:
         self.longest_base = max(self.longest_base, own) if len(self.decoding) > 1 else own
         if not running:
             self._wake()
-
-    def _finish(self, job: Job, now: float) -> None:
-        self.in_flight -= 1
-        job.on_finished(job, now)
 
     def _wake(self) -> None:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
@@ -116,11 +104,10 @@ class StepLoop:
         while low < high:
             mid = (low + high) // 2
             low, high = (mid + 1, high) if self._segment_ms(mid, seg.batch, seg.longest) < elapsed_ms else (low, mid)
-        if low < seg.count:
-            self._versions += 1
-            seg.count, seg.version, self.steps_in_flight = low, self._versions, low
-            self.sim.at(seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3, self._end_segment,
-                        seg.version)
+        if low < seg.count:  # a shorter segment in its place, which only its own end event ends
+            self.segment = seg = Segment(seg.start_s, low, seg.batch, seg.longest)
+            self.steps_in_flight = low
+            self.sim.at(seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3, self._end_segment, seg)
 
     def _step(self) -> None:
         now, batch = self.sim.now, len(self.decoding)
@@ -128,10 +115,9 @@ class StepLoop:
             self.prefilling.append(self.waiting.popleft())
         if not self.prefilling and batch:
             count, longest = self.decoding[0][0] - self.steps, self.longest
-            self._versions += 1  # an earlier segment's end event, cut short, must not end this one
-            self.segment = Segment(now, count, batch, longest, self._versions)
+            self.segment = Segment(now, count, batch, longest)
             self.steps_in_flight = count
-            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self._versions)
+            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self.segment)
             return
         if not self.prefilling:
             self.busy = False
@@ -195,13 +181,12 @@ class StepLoop:
                 self.prefilling.remove(job)
                 job.on_first_token(job, now)
                 job.decode_steps -= 1  # the prefill's own step sampled the first token
-                self._start_decode(job, now)
+                self.submit_decode(job)
         self._step()
 
-    def _end_segment(self, version: int) -> None:
-        seg = self.segment
-        if seg is None or version != seg.version:
-            return
+    def _end_segment(self, seg: Segment) -> None:
+        if seg is not self.segment:
+            return  # cut short: the shorter segment in its place has its own end event
         self.segment = None
         if self.token_gaps_ms is not None:  # the router sees the steps as gaps between streamed tokens
             gap = (self.sim.now - seg.start_s) * 1e3 / seg.count
@@ -221,4 +206,4 @@ class StepLoop:
         if finished:
             self.longest_base = max((job.prompt_tokens - job.joined_step for _, _, job in self.decoding), default=0)
         for job in finished:
-            self._finish(job, now)
+            job.on_finished(job, now)
