@@ -209,9 +209,9 @@ def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible(cost_model
 
 def test_the_calibration_is_the_fit_of_the_workers_steps_in_service(cost_model, tmp_path):
     for n, context in ((4000, 0), (300, 4400), (60, 900)):
-        assert cost_model.prefill_ms(n, context) == pytest.approx(prompt_ms(n, context), rel=1e-3)
-        assert cost_model.prefill_ms(n, context, "decode") == pytest.approx(0.8 * prompt_ms(n, context), rel=1e-3)
-        assert cost_model.prefill_ms(n, context, "colocated") == pytest.approx(0.5 * prompt_ms(n, context), rel=1e-3)
+        for kind, scale in (("prefill", 1.0), ("decode", 0.8), ("colocated", 0.5)):
+            assert cost_model.step_prefill_ms([(n, context)], kind) == pytest.approx(scale * prompt_ms(n, context),
+                                                                                    rel=1e-3)
     assert cost_model.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3)
     assert cost_model.step_fit("colocated") == pytest.approx(tuple(c / 2 for c in DECODE_STEP), rel=1e-3)
     assert cost_model.kv_bytes_per_token == 4096  # the tiny model: 4 layers x K,V x 2 heads x 64 x fp32
@@ -263,7 +263,8 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
         path.write_text(json.dumps(data))
     pooled = calibration.load_many(paths)
     for n, context in ((4000, 0), (200, 3800)):
-        assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
+        one = cost_model.step_prefill_ms([(n, context)])
+        assert one < pooled.step_prefill_ms([(n, context)]) < 2 * one
     assert pooled.samples["prefill"] == 2 * cost_model.samples["prefill"]
     # The time outside compute and transfer grows with the requests in flight: a run whose requests all arrived
     # together (eleven others in flight), each 22 ms slower outside compute, says what each of them adds.
@@ -350,7 +351,7 @@ def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_schedule
     for name in ("long", "plain", "pulled"):  # queued in this order while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])
     sim.run()
-    long_s = first_token["first"] + model.prefill_ms(600, 0) / 1e3  # alone: it fills the pack, the others wait
+    long_s = first_token["first"] + model.step_prefill_ms([(600, 0)]) / 1e3  # alone: it fills the pack, the others wait
     assert first_token["long"] == pytest.approx(long_s)
     together_s = long_s + (40.0 + model.step_prefill_ms([(100, 0), (200, 2000)])) / 1e3
     assert first_token["plain"] == pytest.approx(together_s) and first_token["pulled"] == pytest.approx(together_s)
@@ -365,8 +366,8 @@ def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_th
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("long", "pulled", "plain"):
         sim.at(0.001, prefill.submit_prefill, jobs[name])
-    long_s = first_token_s = model.prefill_ms(300, 0) / 1e3
-    long_s += (40.0 + model.prefill_ms(600, 0)) / 1e3
+    long_s = first_token_s = model.step_prefill_ms([(300, 0)]) / 1e3
+    long_s += (40.0 + model.step_prefill_ms([(600, 0)])) / 1e3
     sim.at(long_s - 0.001, prefill.submit_prefill, jobs["later"])  # arrives as the long prompt's step ends
     sim.run()
     assert first_token["first"] == pytest.approx(first_token_s) and first_token["long"] == pytest.approx(long_s)
@@ -384,14 +385,14 @@ def test_a_read_prompt_that_finds_no_room_does_not_hold_back_the_reads_of_pulls_
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("y", "x", "r1"):  # queued while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])
-    step1_s = model.prefill_ms(300, 0) / 1e3
+    step1_s = model.step_prefill_ms([(300, 0)]) / 1e3
     # Step 2: y, then 12 tokens of x (the pack's room), and r1's read; r1 finds no room left.
     step2_s = step1_s + (40.0 + model.step_prefill_ms([(500, 0), (12, 0)])) / 1e3
     sim.at(step2_s - 0.001, prefill.submit_prefill, jobs["r2"])
     sim.run()
     assert first_token["y"] == pytest.approx(step2_s)
     # Step 3: the rest of x fills the pack; r1 waits, and r2 behind it is read all the same.
-    step3_s = step2_s + (30.0 + model.prefill_ms(988, 12)) / 1e3
+    step3_s = step2_s + (30.0 + model.step_prefill_ms([(988, 12)])) / 1e3
     assert first_token["x"] == pytest.approx(step3_s)
     step4_s = step3_s + model.step_prefill_ms([(200, 2000), (100, 1000)]) / 1e3
     assert first_token["r1"] == pytest.approx(step4_s) and first_token["r2"] == pytest.approx(step4_s)

@@ -58,9 +58,6 @@ class Calibration(BaseModel):
     def fit_for(self, worker: str) -> ComputeTerms:
         return self.compute_fits.get(worker) or self.compute_fits["prefill"]
 
-    def prefill_ms(self, new_tokens: int, context: int, worker: str = "prefill") -> float:
-        return self.step_prefill_ms([(new_tokens, context)], worker) if new_tokens > 0 else 0.0
-
     def step_prefill_ms(self, chunks: list[tuple[int, int]], worker: str = "prefill") -> float:
         """One step computing each (new tokens, context) chunk: the fixed cost once, the other terms per chunk."""
         a, b, c, q = self.fit_for(worker)
