@@ -298,8 +298,8 @@ def test_the_plan_says_the_range_its_figures_move_in_over_the_calibrations_halve
     noisy = calibration.fitted([noisy_run(0.3)])
     workload = agent_sessions(6, 3)
     legs = ["pd/P-cache-off", "bidir/P-cache-off"]
-    sure = planner.plan(workload, exact, Deployment(), legs, "pull", False, [], ())
-    unsure = planner.plan(workload, noisy, Deployment(), legs, "pull", False, [], ())
+    sure = planner.plan(workload, exact, Deployment(), legs, "pull", False, [], (), 0.95)
+    unsure = planner.plan(workload, noisy, Deployment(), legs, "pull", False, [], (), 0.95)
     def spread(plan: dict) -> float:
         low, high = plan["legs"]["pd/P-cache-off"]["ttft_p50_ms_range"]
         assert low <= plan["legs"]["pd/P-cache-off"]["ttft_p50_ms"] <= high
@@ -465,7 +465,7 @@ def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):
 
 def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     workload = agent_sessions(6, 3)
-    plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0])
+    plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0], (0.5, 1.0), 0.95)
     saved = json.loads(report.write(plan, tmp_path).read_text())
     assert set(saved["legs"]) == set(LEGS)
     assert all(PLAN_FIELDS <= set(values) for values in saved["legs"].values())
@@ -477,10 +477,10 @@ def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
 def test_a_plan_says_when_its_prompts_reach_beyond_the_calibrations_longest_step(cost_model):
     workload = agent_sessions(4, 3)  # prompts of 3000-3755 tokens
     assert cost_model.context_seen == 7350  # P's (350, 7000) chunk
-    said = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    said = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [], (), 0.95)
     assert "extrapolate" not in said["verdict"]["text"]
     short = cost_model.model_copy(update={"context_seen": 1000, "halves": []})
-    said = planner.plan(workload, short, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    said = planner.plan(workload, short, Deployment(), ["pd/P-cache-off"], "pull", False, [], (), 0.95)
     assert "reach 3,755 tokens, beyond the 1,000" in said["verdict"]["text"]
 
 
@@ -564,7 +564,7 @@ def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, arg
 
 def test_a_workload_of_single_turns_plans_to_null_not_nan(cost_model, tmp_path):
     workload = Workload("single", [Session(f"s{i}", [TurnDemand(2000, 16, 0)]) for i in range(3)], 2)
-    plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0])
+    plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0], (1.0,), 0.95)
     assert plan["legs"]["pd/P-cache-off"]["later_ttft_p50_ms"] is None
     assert plan["legs"]["pd/P-cache-off"]["ttft_p50_ms"] > 0
     assert "no session has a second turn" in plan["verdict"]["text"] and "nan" not in plan["verdict"]["text"]
@@ -654,7 +654,7 @@ def test_the_plan_reports_retained_kv_per_tier_over_time_and_the_ttl_and_host_ti
     assert hosted.peak_pool_mib <= budget and hosted.peak_host_mib > 0
     assert all(pool <= budget for _, pool, _ in hosted.retained_over_time)
     assert max(host for *_, host in hosted.retained_over_time) == pytest.approx(hosted.peak_host_mib)
-    plan = planner.plan(workload, cost_model, tight, [leg], "pull", False, [60.0], (0.5, 1.0), reuse_target=0.9)
+    plan = planner.plan(workload, cost_model, tight, [leg], "pull", False, [60.0], (0.5, 1.0), 0.9)
     answer = plan["retention"]
     assert answer["reuse_share"] >= 0.9 * answer["best_reuse_share"] and answer["host_mib_per_decode"] > 0
     cheaper = [p for p in plan["sweep"]["points"] if p["reuse_share"] >= 0.9 * answer["best_reuse_share"]

@@ -14,8 +14,6 @@ from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
-HOST_SHARES = (0.25, 0.5, 1.0)  # host-tier budgets swept beside the deployment's own: shares of the peak retained
-REUSE_TARGET = 0.95
 EXTRAPOLATED = 1.1  # prompts longer than this times the calibration's longest prompt step are said to extrapolate
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
@@ -110,8 +108,7 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], speedups: list, 
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
-         prefix_caching_on_prefill: bool, ttls: list[float], host_shares: tuple = HOST_SHARES,
-         reuse_target: float = REUSE_TARGET) -> dict:
+         prefix_caching_on_prefill: bool, ttls: list[float], host_shares: tuple, reuse_target: float) -> dict:
     """`host_shares`: the host tiers to sweep beside the deployment's own, as shares of the candidate's peak
     retained KV on one decode worker."""
     started = time.perf_counter()
