@@ -102,8 +102,7 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
                                f"prefill workers, {len(decodes['decode'])} decode steps of decode workers "
                                f"(need {MIN_FIT_SAMPLES} of each): run kvturn bench --compare with a P/D leg")
     decode_step, contention = fit_decode_steps(decodes["decode"])
-    colocated = decodes["colocated"]
-    colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    colocated_step = fit_decode_steps(decodes["colocated"])[0] if len(decodes["colocated"]) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": (0.0, 0.0, 0.0), "decode": decode_step, "colocated": colocated_step or decode_step}
     fits, scatter = {}, {}
     for kind in (kind for kind in WORKER_KINDS if len(prompts[kind]) >= MIN_FIT_SAMPLES):

@@ -99,8 +99,7 @@ def simulate_many(workload: Workload, calibration: Calibration,
                   jobs: list[tuple[str, Deployment]]) -> list[LegPrediction]:
     """Each (leg name, deployment) simulated, in order; a large workload's on every core."""
     runs = [(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
-    cores = os.cpu_count() or 1
-    if len(jobs) < 2 or cores < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
+    if len(jobs) < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
         return [simulate(*run) for run in runs]
-    with multiprocessing.get_context("fork").Pool(min(cores, len(jobs))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, len(jobs))) as pool:
         return pool.starmap(simulate, runs)

@@ -119,7 +119,6 @@ class Simulation:
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
-        self.prompt_workers = len(self.prefill) or len(self.decode)
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
         self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
         self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
@@ -179,7 +178,7 @@ class Simulation:
     def _arrive(self, flight: Flight) -> None:
         """The turn reaches the router's path choice after the leg's time outside compute, which grows with the
         requests in flight beside it."""
-        load = self.turns_in_flight / self.prompt_workers
+        load = self.turns_in_flight / (len(self.prefill) or len(self.decode))  # per prompt worker
         self.turns_in_flight += 1
         self.at(self.now + self.calibration.other(self.leg.name, load) / 1e3, self._dispatch, flight)
 
