@@ -71,10 +71,6 @@ class Calibration(BaseModel):
         a, b, k = self.step_fit(worker)
         return count * (a + b * batch) + k * batch * (count * longest + count * (count - 1) / 2) / 1e3
 
-    def decodes_beside_prompts_ms(self, worker: str, batch: int, longest: int) -> float:
-        """What `batch` running decodes add to a prompt step: one forward pass pays one fixed cost."""
-        return self.decode_steps_ms(worker, 1, batch, longest) - self.step_fit(worker)[0] if batch else 0.0
-
     def scatter(self, worker: str) -> list[float]:
         return self.step_scatter.get(worker) or self.step_scatter.get("prefill") or []
 

@@ -87,11 +87,6 @@ class StepLoop:
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
 
-    @property
-    def longest(self) -> int:
-        """The longest context a decoding request attends to now."""
-        return self.longest_base + self.steps if self.decoding else 0
-
     def _segment_ms(self, count: int, batch: int, longest: int) -> float:
         calibration = self.sim.calibration
         return calibration.decode_steps_ms(self.kind, count, batch, longest) + count * self.sim.contention_ms(self)
@@ -111,10 +106,11 @@ class StepLoop:
 
     def _step(self) -> None:
         now, batch = self.sim.now, len(self.decoding)
+        longest = self.longest_base + self.steps  # the longest context a decoding request attends to now
         while self.waiting and batch + len(self.prefilling) < self.sim.deployment.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
         if not self.prefilling and batch:
-            count, longest = self.decoding[0][0] - self.steps, self.longest
+            count = self.decoding[0][0] - self.steps
             self.segment = Segment(now, count, batch, longest)
             self.steps_in_flight = count
             self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self.segment)
@@ -124,8 +120,9 @@ class StepLoop:
             return
         reads_ms, chunks = self._admit(batch)
         ms = self.sim.prompt_step_ms(self, chunks)
-        if batch:  # the decodes beside add their terms to the one forward pass
-            beside = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.longest)
+        if batch:  # the decodes beside add their terms to the one forward pass, which pays one fixed cost
+            calibration = self.sim.calibration
+            beside = calibration.decode_steps_ms(self.kind, 1, batch, longest) - calibration.step_fit(self.kind)[0]
             ms += beside + self.sim.contention_ms(self) if beside else 0.0
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
