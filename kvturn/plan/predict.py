@@ -70,8 +70,7 @@ def predict(sim: Simulation) -> LegPrediction:
         max(pool + host for _, pool, host in over_time) * mib, max(pool for _, pool, _ in over_time) * mib,
         max(host for *_, host in over_time) * mib, sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        dict(Counter(r.path or "colocated" for r in sim.results)),
-        timeline(sim.retained_over_time, mib))
+        dict(Counter(r.path or "colocated" for r in sim.results)), timeline(sim.retained_over_time, mib))
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
@@ -85,8 +84,7 @@ def median_of(runs: list[LegPrediction]) -> LegPrediction:
     """Each figure of `runs` (simulations of one leg) as their median, and the events of all of them."""
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
-                         runs[0].turns, sum(run.events for run in runs), paths,
-                         runs[0].retained_over_time)
+                         runs[0].turns, sum(run.events for run in runs), paths, runs[0].retained_over_time)
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:

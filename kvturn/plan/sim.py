@@ -91,8 +91,7 @@ def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
 
 
 class Simulation:
-    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
-                 seed: int = 0):
+    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration, seed: int = 0):
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
@@ -237,8 +236,7 @@ class Simulation:
     def _compute_on(self, decode: int, flight: Flight, lease_tokens: int) -> None:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
         shareable = flight.shareable_tokens
-        cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id),
-                                    lease_tokens))
+        cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id), lease_tokens))
         flight.result.reused_tokens = min(shareable, lease_tokens)
         flight.decode = decode
         if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
