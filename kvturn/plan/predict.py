@@ -61,7 +61,7 @@ def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[floa
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
     mib = sim.calibration.kv_bytes_per_token / 2**20
-    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.turn > 0]
+    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.number > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
     over_time = sim.retained_over_time or [(0.0, 0, 0)]
     return LegPrediction(

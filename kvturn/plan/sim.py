@@ -40,20 +40,12 @@ class Deployment:
 
 
 @dataclass(slots=True)
-class TurnResult:
-    turn: int
-    arrival_s: float
-    path: str = ""
-    reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
-    ttft_ms: float = 0.0
-
-
-@dataclass(slots=True)
 class Flight:
-    """One turn on its way through the router and the workers."""
+    """One turn on its way through the router and the workers, and, once answered, what it took."""
     state: "SessionState"
     turn: TurnDemand
-    result: TurnResult
+    number: int  # of the turn in its session, from 0
+    arrival_s: float
     shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse
     dispatched_s: float = 0.0
     choice: costmodel.PathChoice | None = None
@@ -62,6 +54,9 @@ class Flight:
     decode: int = 0
     read_ms: float = 0.0  # P's read of D's retained history
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
+    path: str = ""
+    reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
+    ttft_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -121,7 +116,7 @@ class Simulation:
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
         self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
         self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
-        self.results: list[TurnResult] = []
+        self.results: list[Flight] = []
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
@@ -165,10 +160,9 @@ class Simulation:
 
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.next_turn, arrival_s)
-        self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        flight = Flight(state, turn, result, self._blocks(reusable(previous, turn)))
+        flight = Flight(state, turn, state.next_turn, arrival_s, self._blocks(reusable(previous, turn)))
+        self.results.append(flight)
         if arrival_s <= self.now:
             self._arrive(flight)
         else:
@@ -189,6 +183,7 @@ class Simulation:
         if self.leg.bidirectional:
             self._retain(conversation, flight.decode, retained)
         self.turns_in_flight -= 1
+        flight.choice = flight.claim = None  # the results keep each turn's figures, not the router's objects
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
             self._start_turn(state, self.now + state.session.turns[state.next_turn].think_s)
@@ -218,7 +213,7 @@ class Simulation:
             prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
-        flight.result.path = choice.path
+        flight.path = choice.path
         live = entry is not None and entry.lease.alive and now + self.deployment.kv_expiry_margin_s < \
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
@@ -237,7 +232,7 @@ class Simulation:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
         shareable = flight.shareable_tokens
         cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id), lease_tokens))
-        flight.result.reused_tokens = min(shareable, lease_tokens)
+        flight.reused_tokens = min(shareable, lease_tokens)
         flight.decode = decode
         if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
             self.costs.observe_reuse(flight.leased_tokens, cached)
@@ -257,7 +252,7 @@ class Simulation:
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.result.reused_tokens, flight.prefill = remote, prefill
+        flight.reused_tokens, flight.prefill = remote, prefill
         job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
         if remote:  # read as P's step that admits it is scheduled
             flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
@@ -286,7 +281,7 @@ class Simulation:
         self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, decode)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
-        ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
+        ttft_ms = flight.ttft_ms = (now - flight.arrival_s) * 1e3
         if flight.choice is not None:
             self.costs.observe_turn(flight.choice, ttft_ms, explained_ms)
 
