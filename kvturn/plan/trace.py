@@ -114,30 +114,27 @@ def from_trace(path: Path) -> Workload:
             lines = [(number, line) for number, line in enumerate(file, 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
-    records = []
+    by_conversation: dict[str, list[TraceRecord]] = {}
     for number, line in lines:  # a line that is wrong is named, with the field at fault
         try:
-            records.append(TraceRecord.model_validate(json.loads(line)))
+            record = TraceRecord.model_validate(json.loads(line))
         except json.JSONDecodeError as exc:
             raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
         except ValidationError as exc:
             wrong = "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"] else e["msg"]
                               for e in exc.errors())
             raise TraceError(f"{path}:{number}: {wrong}") from None
-    by_conversation: dict[str, list[TraceRecord]] = {}
-    for record in records:
         by_conversation.setdefault(record.conversation_id, []).append(record)
     if not by_conversation:
         raise TraceError(f"{path}: no requests in the trace")
-    origin = min(r.timestamp for r in records)
+    origin = min(record.timestamp for turns_of in by_conversation.values() for record in turns_of)
     sessions = []
     for conversation_id, turns_of in by_conversation.items():
         turns_of.sort(key=lambda r: r.timestamp)
         turns: list[TurnDemand] = []
-        for previous, record in zip([None, *turns_of], turns_of):
-            ended = None if previous is None else previous.timestamp if previous.finished is None else \
-                previous.finished
-            think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
+        ends = [r.timestamp if r.finished is None else r.finished for r in turns_of]  # of its answer, or its arrival
+        for index, record in enumerate(turns_of):
+            think = max(record.timestamp - ends[index - 1], 0.0) if index else 0.0
             shared = continues(turns, record.prompt_tokens, record.shared_tokens)
             turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, shared, think))
         sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
