@@ -101,9 +101,8 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
     colocated_step = fit_decode_steps(decodes["colocated"])[0] if len(decodes["colocated"]) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": (0.0, 0.0, 0.0), "decode": decode_step, "colocated": colocated_step or decode_step}
     fits, scatter = {}, {}
-    for kind in (kind for kind in WORKER_KINDS if len(prompts[kind]) >= MIN_FIT_SAMPLES):
+    for kind, steps in ((kind, steps) for kind, steps in prompts.items() if len(steps) >= MIN_FIT_SAMPLES):
         _, b, k = own_step[kind]
-        steps = prompts[kind]
         x = np.array([compute_terms(s.prompts) for s in steps])
         ms = np.array([max(s.ms - s.decodes * (b + k * s.decode_longest / 1e3), s.ms * MIN_PROMPT_SHARE)
                        for s in steps])

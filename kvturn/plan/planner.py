@@ -18,7 +18,6 @@ EXTRAPOLATED = 1.1  # prompts longer than this times the calibration's longest p
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
-LEFT_OUT = "docs/planner.md, 'What the model leaves out'"
 
 
 def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
@@ -135,7 +134,7 @@ def plan(workload: Workload, calibration: Calibration, deployment: Deployment, l
                  for leg, p in predictions.items()},
         "sweep": {"leg": candidate, "points": points},
         "calibration": calibration.model_dump(exclude={"halves"}),
-        "left_out": LEFT_OUT,
+        "left_out": "docs/planner.md, 'What the model leaves out'",
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
     }), parse_constant=lambda constant: None)
