@@ -16,7 +16,7 @@ from kvturn.launch import LocalStack
 from kvturn.plan import calibration, planner, report, trace
 from kvturn.plan.predict import simulate
 from kvturn.plan.retention import Leases
-from kvturn.plan.sim import Deployment, RouterPool, Simulation
+from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.step_samples import Step, parse_step
 from kvturn.plan.steps import Job
 from kvturn.plan.trace import Session, TraceError, TurnDemand, Workload
@@ -209,9 +209,9 @@ def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible(cost_model
 
 def test_the_calibration_is_the_fit_of_the_workers_steps_in_service(cost_model, tmp_path):
     for n, context in ((4000, 0), (300, 4400), (60, 900)):
-        assert cost_model.prefill_ms(n, context) == pytest.approx(prompt_ms(n, context), rel=1e-3)
-        assert cost_model.prefill_ms(n, context, "decode") == pytest.approx(0.8 * prompt_ms(n, context), rel=1e-3)
-        assert cost_model.prefill_ms(n, context, "colocated") == pytest.approx(0.5 * prompt_ms(n, context), rel=1e-3)
+        for kind, scale in (("prefill", 1.0), ("decode", 0.8), ("colocated", 0.5)):
+            assert cost_model.step_prefill_ms([(n, context)], kind) == pytest.approx(scale * prompt_ms(n, context),
+                                                                                    rel=1e-3)
     assert cost_model.decode_step_fit == pytest.approx(DECODE_STEP, rel=1e-3)
     assert cost_model.step_fit("colocated") == pytest.approx(tuple(c / 2 for c in DECODE_STEP), rel=1e-3)
     assert cost_model.kv_bytes_per_token == 4096  # the tiny model: 4 layers x K,V x 2 heads x 64 x fp32
@@ -263,7 +263,8 @@ def test_several_bench_runs_pool_into_one_calibration_and_a_saved_one_is_not_poo
         path.write_text(json.dumps(data))
     pooled = calibration.load_many(paths)
     for n, context in ((4000, 0), (200, 3800)):
-        assert cost_model.prefill_ms(n, context) < pooled.prefill_ms(n, context) < 2 * cost_model.prefill_ms(n, context)
+        one = cost_model.step_prefill_ms([(n, context)])
+        assert one < pooled.step_prefill_ms([(n, context)]) < 2 * one
     assert pooled.samples["prefill"] == 2 * cost_model.samples["prefill"]
     # The time outside compute and transfer grows with the requests in flight: a run whose requests all arrived
     # together (eleven others in flight), each 22 ms slower outside compute, says what each of them adds.
@@ -297,8 +298,8 @@ def test_the_plan_says_the_range_its_figures_move_in_over_the_calibrations_halve
     noisy = calibration.fitted([noisy_run(0.3)])
     workload = agent_sessions(6, 3)
     legs = ["pd/P-cache-off", "bidir/P-cache-off"]
-    sure = planner.plan(workload, exact, Deployment(), legs, "pull", False, [], ())
-    unsure = planner.plan(workload, noisy, Deployment(), legs, "pull", False, [], ())
+    sure = planner.plan(workload, exact, Deployment(), legs, "pull", False, [], (), 0.95)
+    unsure = planner.plan(workload, noisy, Deployment(), legs, "pull", False, [], (), 0.95)
     def spread(plan: dict) -> float:
         low, high = plan["legs"]["pd/P-cache-off"]["ttft_p50_ms_range"]
         assert low <= plan["legs"]["pd/P-cache-off"]["ttft_p50_ms"] <= high
@@ -332,12 +333,12 @@ def test_a_read_from_d_runs_on_ps_thread_before_the_step_that_admits_it_delaying
     sim.at(0.001, prefill.submit_prefill, jobs["pulled"])  # both arrive while the first step computes
     sim.at(0.001, prefill.submit_prefill, jobs["plain"])
     sim.run()
-    assert first_token["first"] == pytest.approx(model.prefill_ms(300, 0) / 1e3)
+    assert first_token["first"] == pytest.approx(model.step_prefill_ms([(300, 0)]) / 1e3)
     together_ms = model.step_prefill_ms([(200, 2000), (100, 0)])
     expected_s = first_token["first"] + (40.0 + together_ms) / 1e3
     assert first_token["pulled"] == pytest.approx(expected_s) and first_token["plain"] == pytest.approx(expected_s)
     assert jobs["pulled"].compute_ms == pytest.approx(together_ms)  # the read is not compute
-    assert prefill.in_flight == 0
+    assert not (prefill.waiting or prefill.prefilling or prefill.decoding)
 
 
 def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_scheduler_reaches_it(cost_model):
@@ -350,7 +351,7 @@ def test_a_pulled_prompt_behind_one_that_finds_no_room_is_read_when_the_schedule
     for name in ("long", "plain", "pulled"):  # queued in this order while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])
     sim.run()
-    long_s = first_token["first"] + model.prefill_ms(600, 0) / 1e3  # alone: it fills the pack, the others wait
+    long_s = first_token["first"] + model.step_prefill_ms([(600, 0)]) / 1e3  # alone: it fills the pack, the others wait
     assert first_token["long"] == pytest.approx(long_s)
     together_s = long_s + (40.0 + model.step_prefill_ms([(100, 0), (200, 2000)])) / 1e3
     assert first_token["plain"] == pytest.approx(together_s) and first_token["pulled"] == pytest.approx(together_s)
@@ -365,8 +366,8 @@ def test_a_pulled_prompt_is_read_whatever_the_packs_room_and_then_waits_among_th
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("long", "pulled", "plain"):
         sim.at(0.001, prefill.submit_prefill, jobs[name])
-    long_s = first_token_s = model.prefill_ms(300, 0) / 1e3
-    long_s += (40.0 + model.prefill_ms(600, 0)) / 1e3
+    long_s = first_token_s = model.step_prefill_ms([(300, 0)]) / 1e3
+    long_s += (40.0 + model.step_prefill_ms([(600, 0)])) / 1e3
     sim.at(long_s - 0.001, prefill.submit_prefill, jobs["later"])  # arrives as the long prompt's step ends
     sim.run()
     assert first_token["first"] == pytest.approx(first_token_s) and first_token["long"] == pytest.approx(long_s)
@@ -384,14 +385,14 @@ def test_a_read_prompt_that_finds_no_room_does_not_hold_back_the_reads_of_pulls_
     sim.at(0.0, prefill.submit_prefill, jobs["first"])
     for name in ("y", "x", "r1"):  # queued while the first step computes
         sim.at(0.001, prefill.submit_prefill, jobs[name])
-    step1_s = model.prefill_ms(300, 0) / 1e3
+    step1_s = model.step_prefill_ms([(300, 0)]) / 1e3
     # Step 2: y, then 12 tokens of x (the pack's room), and r1's read; r1 finds no room left.
     step2_s = step1_s + (40.0 + model.step_prefill_ms([(500, 0), (12, 0)])) / 1e3
     sim.at(step2_s - 0.001, prefill.submit_prefill, jobs["r2"])
     sim.run()
     assert first_token["y"] == pytest.approx(step2_s)
     # Step 3: the rest of x fills the pack; r1 waits, and r2 behind it is read all the same.
-    step3_s = step2_s + (30.0 + model.prefill_ms(988, 12)) / 1e3
+    step3_s = step2_s + (30.0 + model.step_prefill_ms([(988, 12)])) / 1e3
     assert first_token["x"] == pytest.approx(step3_s)
     step4_s = step3_s + model.step_prefill_ms([(200, 2000), (100, 1000)]) / 1e3
     assert first_token["r1"] == pytest.approx(step4_s) and first_token["r2"] == pytest.approx(step4_s)
@@ -462,28 +463,9 @@ def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):
     assert first == second and first.turns == 200 and sum(first.paths.values()) == 200
 
 
-def test_the_simulated_router_picks_workers_as_the_routers_own_least_loaded(cost_model, monkeypatch):
-    picks = []
-
-    def both(pool: RouterPool) -> int:
-        index = least_loaded(pool)
-        real = pool.pool.least_loaded()  # kvturn/router/workers.py, on the simulated clock
-        picks.append((pool.workers[index].backlog_ms(pool.sim.now), pool.workers[index].in_flight,
-                      real.backlog_ms(pool.sim.now), real.in_flight))
-        return index
-
-    least_loaded = RouterPool.least_loaded
-    monkeypatch.setattr(RouterPool, "least_loaded", both)
-    workload = agent_sessions(30, 4, think_s=0.2, clients=None)
-    for leg in ("adaptive", "pd/P-cache-off"):
-        simulate(workload, LEGS[leg], Deployment(num_prefill=3, num_decode=3, one_host=True), cost_model)
-    assert len(picks) > 120 and any(p[0] > 0 for p in picks)  # some picks were among backlogged workers
-    assert all(mine[:2] == pytest.approx(real) for mine, real in ((p[:2], p[2:]) for p in picks))
-
-
 def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     workload = agent_sessions(6, 3)
-    plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0])
+    plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0], (0.5, 1.0), 0.95)
     saved = json.loads(report.write(plan, tmp_path).read_text())
     assert set(saved["legs"]) == set(LEGS)
     assert all(PLAN_FIELDS <= set(values) for values in saved["legs"].values())
@@ -495,10 +477,10 @@ def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
 def test_a_plan_says_when_its_prompts_reach_beyond_the_calibrations_longest_step(cost_model):
     workload = agent_sessions(4, 3)  # prompts of 3000-3755 tokens
     assert cost_model.context_seen == 7350  # P's (350, 7000) chunk
-    said = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    said = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [], (), 0.95)
     assert "extrapolate" not in said["verdict"]["text"]
     short = cost_model.model_copy(update={"context_seen": 1000, "halves": []})
-    said = planner.plan(workload, short, Deployment(), ["pd/P-cache-off"], "pull", False, [], ())
+    said = planner.plan(workload, short, Deployment(), ["pd/P-cache-off"], "pull", False, [], (), 0.95)
     assert "reach 3,755 tokens, beyond the 1,000" in said["verdict"]["text"]
 
 
@@ -582,7 +564,7 @@ def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, arg
 
 def test_a_workload_of_single_turns_plans_to_null_not_nan(cost_model, tmp_path):
     workload = Workload("single", [Session(f"s{i}", [TurnDemand(2000, 16, 0)]) for i in range(3)], 2)
-    plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0])
+    plan = planner.plan(workload, cost_model, Deployment(), ["pd/P-cache-off"], "pull", False, [60.0], (1.0,), 0.95)
     assert plan["legs"]["pd/P-cache-off"]["later_ttft_p50_ms"] is None
     assert plan["legs"]["pd/P-cache-off"]["ttft_p50_ms"] > 0
     assert "no session has a second turn" in plan["verdict"]["text"] and "nan" not in plan["verdict"]["text"]
@@ -672,7 +654,7 @@ def test_the_plan_reports_retained_kv_per_tier_over_time_and_the_ttl_and_host_ti
     assert hosted.peak_pool_mib <= budget and hosted.peak_host_mib > 0
     assert all(pool <= budget for _, pool, _ in hosted.retained_over_time)
     assert max(host for *_, host in hosted.retained_over_time) == pytest.approx(hosted.peak_host_mib)
-    plan = planner.plan(workload, cost_model, tight, [leg], "pull", False, [60.0], (0.5, 1.0), reuse_target=0.9)
+    plan = planner.plan(workload, cost_model, tight, [leg], "pull", False, [60.0], (0.5, 1.0), 0.9)
     answer = plan["retention"]
     assert answer["reuse_share"] >= 0.9 * answer["best_reuse_share"] and answer["host_mib_per_decode"] > 0
     cheaper = [p for p in plan["sweep"]["points"] if p["reuse_share"] >= 0.9 * answer["best_reuse_share"]

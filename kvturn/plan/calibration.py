@@ -58,9 +58,6 @@ class Calibration(BaseModel):
     def fit_for(self, worker: str) -> ComputeTerms:
         return self.compute_fits.get(worker) or self.compute_fits["prefill"]
 
-    def prefill_ms(self, new_tokens: int, context: int, worker: str = "prefill") -> float:
-        return self.step_prefill_ms([(new_tokens, context)], worker) if new_tokens > 0 else 0.0
-
     def step_prefill_ms(self, chunks: list[tuple[int, int]], worker: str = "prefill") -> float:
         """One step computing each (new tokens, context) chunk: the fixed cost once, the other terms per chunk."""
         a, b, c, q = self.fit_for(worker)
@@ -73,10 +70,6 @@ class Calibration(BaseModel):
         """`count` decode steps of `batch` requests whose longest context is `longest`, a token more each step."""
         a, b, k = self.step_fit(worker)
         return count * (a + b * batch) + k * batch * (count * longest + count * (count - 1) / 2) / 1e3
-
-    def decodes_beside_prompts_ms(self, worker: str, batch: int, longest: int) -> float:
-        """What `batch` running decodes add to a prompt step: one forward pass pays one fixed cost."""
-        return self.decode_steps_ms(worker, 1, batch, longest) - self.step_fit(worker)[0] if batch else 0.0
 
     def scatter(self, worker: str) -> list[float]:
         return self.step_scatter.get(worker) or self.step_scatter.get("prefill") or []
@@ -99,19 +92,17 @@ class Calibration(BaseModel):
 def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None = None) -> dict:
     """A Calibration's fields from steps in service. A prompt step's time is taken less what the decodes beside it
     added (the simulation adds them back); D, which computes few shapes of prompt, scales P's fit."""
-    samples = step_samples.collect(legs, half)
-    if len(samples.prompts["prefill"]) < MIN_FIT_SAMPLES or len(samples.decodes["decode"]) < MIN_FIT_SAMPLES:
-        raise CalibrationError(f"too few steps in service to fit: {len(samples.prompts['prefill'])} prompt steps of "
-                               f"prefill workers, {len(samples.decodes['decode'])} decode steps of decode workers "
+    prompts, decodes = step_samples.collect(legs, half)
+    if len(prompts["prefill"]) < MIN_FIT_SAMPLES or len(decodes["decode"]) < MIN_FIT_SAMPLES:
+        raise CalibrationError(f"too few steps in service to fit: {len(prompts['prefill'])} prompt steps of "
+                               f"prefill workers, {len(decodes['decode'])} decode steps of decode workers "
                                f"(need {MIN_FIT_SAMPLES} of each): run kvturn bench --compare with a P/D leg")
-    decode_step, contention = fit_decode_steps(samples.decodes["decode"])
-    colocated = samples.decodes["colocated"]
-    colocated_step = fit_decode_steps(colocated)[0] if len(colocated) >= MIN_FIT_SAMPLES else None
+    decode_step, contention = fit_decode_steps(decodes["decode"])
+    colocated_step = fit_decode_steps(decodes["colocated"])[0] if len(decodes["colocated"]) >= MIN_FIT_SAMPLES else None
     own_step = {"prefill": (0.0, 0.0, 0.0), "decode": decode_step, "colocated": colocated_step or decode_step}
     fits, scatter = {}, {}
-    for kind in (kind for kind in WORKER_KINDS if len(samples.prompts[kind]) >= MIN_FIT_SAMPLES):
+    for kind, steps in ((kind, steps) for kind, steps in prompts.items() if len(steps) >= MIN_FIT_SAMPLES):
         _, b, k = own_step[kind]
-        steps = samples.prompts[kind]
         x = np.array([compute_terms(s.prompts) for s in steps])
         ms = np.array([max(s.ms - s.decodes * (b + k * s.decode_longest / 1e3), s.ms * MIN_PROMPT_SHARE)
                        for s in steps])
@@ -123,9 +114,10 @@ def step_fits(legs: list[dict[str, list[step_samples.Step]]], half: int | None =
                                                    1e-3, 100.0)]
     return {"compute_fits": fits, "decode_step_fit": decode_step, "colocated_step_fit": colocated_step,
             "decode_contention_ms": contention, "step_scatter": scatter,
-            "context_seen": max((n + context for steps in samples.prompts.values() for s in steps
-                                 for n, context in s.prompts), default=0),
-            "samples": {"steps": samples.count(), **{kind: len(s) for kind, s in samples.prompts.items()}}}
+            "context_seen": max((n + context for steps in prompts.values() for s in steps for n, context in s.prompts),
+                                default=0),
+            "samples": {"steps": sum(map(len, [*prompts.values(), *decodes.values()])),
+                        **{kind: len(s) for kind, s in prompts.items()}}}
 
 
 def read_ms_per_mib(pairs: list[tuple[float, int]]) -> float | None:
@@ -138,12 +130,10 @@ def request_fields(runs: list[dict], half: int | None = None) -> dict:
     own overlapped, as the router learns them; a direction nobody read in takes the other's), and each leg's time
     outside compute as a line through the median at each load in flight (each run's legs on their own clock)."""
     legs: dict[str, list] = {}
-    for run in runs:
-        by_leg: dict[str, list] = {}
-        for row in rows_of(run):
-            by_leg.setdefault(row.leg, []).append(row)
-        for leg, rows in by_leg.items():
-            legs.setdefault(leg, []).extend(step_samples.half_of([(in_flight(r, rows), r.other_ms) for r in rows],
+    for rows in map(rows_of, runs):
+        for leg in dict.fromkeys(row.leg for row in rows):
+            of_leg = [row for row in rows if row.leg == leg]
+            legs.setdefault(leg, []).extend(step_samples.half_of([(in_flight(r, of_leg), r.other_ms) for r in of_leg],
                                                                  half))
     rows = step_samples.half_of([row for run in runs for row in rows_of(run)], half)
     per_token = [r.bytes_d_to_p / r.tokens_from_decode for r in rows if r.bytes_d_to_p and r.tokens_from_decode]

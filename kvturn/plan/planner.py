@@ -1,9 +1,10 @@
 """`kvturn plan`: simulate every leg with the calibration and with each of its halves (the range a figure moves
 in), sweep the candidate's TTL and host tier, and say whether bidirectional transfer pays and what memory in which
 tier keeps the reuse it brings."""
+import json
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from kvturn.bench.catalog import Scenario
 from kvturn.config import ConnectorConfig, RouterConfig, default_of
@@ -13,31 +14,10 @@ from kvturn.plan.sim import Deployment
 from kvturn.plan.trace import Workload
 
 POLICY_LEGS = {"pull": "bidir/P-cache-{cache}", "compute_on_decode": "compute-on-D", "adaptive": "adaptive"}
-HOST_SHARES = (0.25, 0.5, 1.0)  # host-tier budgets swept beside the deployment's own: shares of the peak retained
-REUSE_TARGET = 0.95
 EXTRAPOLATED = 1.1  # prompts longer than this times the calibration's longest prompt step are said to extrapolate
 # The router forgets a lease a little before the decode worker ends it, as the defaults do.
 ROUTER_TTL_SHARE = (default_of(RouterConfig, "conversation_ttl_s")
                     / default_of(ConnectorConfig, "decoder_kv_blocks_ttl_s"))
-LEFT_OUT = "docs/planner.md, 'What the model leaves out'"
-
-
-@dataclass(slots=True)
-class SweepPoint:
-    ttl_s: float
-    host_mib: int  # host tier of each decode worker
-    later_ttft_p50_ms: float
-    peak_pool_mib: float
-    peak_host_mib: float
-    reuse_share: float
-
-
-def candidate_leg(policy: str, prefix_caching_on_prefill: bool) -> str:
-    return POLICY_LEGS[policy].format(cache="on" if prefix_caching_on_prefill else "off")
-
-
-def baseline_leg(prefix_caching_on_prefill: bool) -> str:
-    return f"pd/P-cache-{'on' if prefix_caching_on_prefill else 'off'}"
 
 
 def with_scenario(deployment: Deployment, scenario: Scenario) -> Deployment:
@@ -57,29 +37,31 @@ def sweep_settings(deployment: Deployment, ttl: float, host_mb: int | None) -> D
 
 
 def sweep(workload: Workload, leg: str, deployment: Deployment, calibration: Calibration, ttls: list[float],
-          host_shares: tuple, reference: LegPrediction) -> list[SweepPoint]:
+          host_shares: tuple, reference: LegPrediction) -> list[dict]:
     """The leg at each TTL with the deployment's own host tier and with each share of `reference`'s peak retained
-    KV on one decode worker as its host tier; the deployment's own point is `reference` itself."""
+    KV on one decode worker as its host tier (`host_mib`, of each decode worker); the deployment's own point is
+    `reference` itself."""
     own = (deployment.decoder_kv_blocks_ttl_s, deployment.retained_host_mb or 0)
     hosts = {own[1], *(max(int(reference.peak_retained_mib_per_decode * share), 1) for share in host_shares)}
-    keys = [(ttl, host) for ttl in ttls for host in sorted(hosts)]
-    others = [key for key in keys if key != own]
+    others = [(ttl, host) for ttl in ttls for host in sorted(hosts) if (ttl, host) != own]
     results = dict(zip(others, simulate_many(workload, calibration, [
         (leg, sweep_settings(deployment, ttl, host or None)) for ttl, host in others])))
     results[own] = reference
-    return [SweepPoint(ttl, host, r.later_ttft_p50_ms, r.peak_pool_mib, r.peak_host_mib, r.reuse_share)
+    return [{"ttl_s": ttl, "host_mib": host, "later_ttft_p50_ms": r.later_ttft_p50_ms,
+             "peak_pool_mib": r.peak_pool_mib, "peak_host_mib": r.peak_host_mib, "reuse_share": r.reuse_share}
             for (ttl, host), r in sorted(results.items())]
 
 
-def retention_answer(points: list[SweepPoint], target: float) -> dict:
+def retention_answer(points: list[dict], target: float) -> dict:
     """The TTL and host tier of least memory (pool and host together, then host) whose reuse share keeps `target`
     of the most any point of the sweep reached."""
-    best = max((p.reuse_share for p in points), default=0.0)
-    keeping = [p for p in points if p.reuse_share >= target * best]
-    chosen = min(keeping, key=lambda p: (p.peak_pool_mib + p.peak_host_mib, p.host_mib, p.ttl_s), default=None)
+    best = max((p["reuse_share"] for p in points), default=0.0)
+    keeping = [p for p in points if p["reuse_share"] >= target * best]
+    chosen = min(keeping, key=lambda p: (p["peak_pool_mib"] + p["peak_host_mib"], p["host_mib"], p["ttl_s"]),
+                 default=None)
     return {"reuse_target": target, "best_reuse_share": best, **({} if chosen is None else {
-        "ttl_s": chosen.ttl_s, "host_mib_per_decode": chosen.host_mib, "reuse_share": chosen.reuse_share,
-        "peak_pool_mib": chosen.peak_pool_mib, "peak_host_mib": chosen.peak_host_mib})}
+        "ttl_s": chosen["ttl_s"], "host_mib_per_decode": chosen["host_mib"], "reuse_share": chosen["reuse_share"],
+        "peak_pool_mib": chosen["peak_pool_mib"], "peak_host_mib": chosen["peak_host_mib"]})}
 
 
 def ranged(value: float, runs: list[float]) -> list[float]:
@@ -94,7 +76,7 @@ def speedup(baseline: LegPrediction, candidate: LegPrediction) -> float:
     return baseline.later_ttft_p50_ms / candidate.later_ttft_p50_ms if ok else float("nan")
 
 
-def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, baseline: str, candidate: str,
+def verdict(workload: Workload, legs: dict[str, LegPrediction], speedups: list, baseline: str, candidate: str,
             calibration: Calibration, deployment: Deployment, answer: dict) -> dict:
     base, cand = legs[baseline], legs[candidate]
     about = f"On this workload ({len(workload.sessions)} sessions, {workload.num_turns} turns)"
@@ -102,7 +84,7 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
         words = [f"{about} no session has a second turn: there is no history to reuse, and {candidate} only holds "
                  f"memory."]
     else:
-        value, low, high = ranges["speedup"]
+        value, low, high = speedups
         words = [f"{about}, {candidate} against {baseline} moves later-turn TTFT p50 from "
                  f"{base.later_ttft_p50_ms:.0f} to {cand.later_ttft_p50_ms:.0f} ms: {value:.2f}x "
                  f"({low:.2f}-{high:.2f}x over the calibration's halves); {cand.reuse_share:.0%} of later turns "
@@ -121,50 +103,38 @@ def verdict(workload: Workload, legs: dict[str, LegPrediction], ranges: dict, ba
                      f"{answer['peak_host_mib']:,.0f} MiB in host tiers.")
     return {"text": " ".join(words), "baseline_leg": baseline, "candidate_leg": candidate,
             "later_ttft_p50_ms": {"baseline": base.later_ttft_p50_ms, "candidate": cand.later_ttft_p50_ms},
-            "speedup": ranges["speedup"]}
+            "speedup": speedups}
 
 
 def plan(workload: Workload, calibration: Calibration, deployment: Deployment, legs: list[str], policy: str,
-         prefix_caching_on_prefill: bool, ttls: list[float], host_shares: tuple = HOST_SHARES,
-         reuse_target: float = REUSE_TARGET) -> dict:
+         prefix_caching_on_prefill: bool, ttls: list[float], host_shares: tuple, reuse_target: float) -> dict:
     """`host_shares`: the host tiers to sweep beside the deployment's own, as shares of the candidate's peak
     retained KV on one decode worker."""
     started = time.perf_counter()
-    baseline, candidate = baseline_leg(prefix_caching_on_prefill), candidate_leg(policy, prefix_caching_on_prefill)
+    cache = "on" if prefix_caching_on_prefill else "off"
+    baseline, candidate = f"pd/P-cache-{cache}", POLICY_LEGS[policy].format(cache=cache)
     chosen = list(dict.fromkeys([*legs, baseline, candidate]))
     jobs = [(leg, deployment) for leg in chosen]
     predictions = dict(zip(chosen, simulate_many(workload, calibration, jobs)))
     halves = [dict(zip(chosen, simulate_many(workload, half, jobs))) for half in calibration.halves]
-    ranges = {"ttft_p50_ms": {leg: ranged(predictions[leg].ttft_p50_ms, [h[leg].ttft_p50_ms for h in halves])
-                              for leg in chosen},
-              "speedup": ranged(speedup(predictions[baseline], predictions[candidate]),
-                                [speedup(h[baseline], h[candidate]) for h in halves])}
+    speedups = ranged(speedup(predictions[baseline], predictions[candidate]),
+                      [speedup(h[baseline], h[candidate]) for h in halves])
     ttls = sorted({*ttls, deployment.decoder_kv_blocks_ttl_s})
     points = sweep(workload, candidate, deployment, calibration, ttls, host_shares, predictions[candidate])
     answer = retention_answer(points, reuse_target)
-    legs_out = {leg: {**predictions[leg].public(), "ttft_p50_ms_range": ranges["ttft_p50_ms"][leg][1:]}
-                for leg in chosen}
-    return json_safe({
+    # every NaN (a figure with nothing to measure) as None: null in plan.json, which strict JSON readers parse
+    return json.loads(json.dumps({
         "workload": {"name": workload.name, "sessions": len(workload.sessions), "turns": workload.num_turns,
                      "clients": workload.clients},
         "deployment": asdict(deployment),
-        "verdict": verdict(workload, predictions, ranges, baseline, candidate, calibration, deployment, answer),
+        "verdict": verdict(workload, predictions, speedups, baseline, candidate, calibration, deployment, answer),
         "retention": answer,
-        "legs": legs_out,
-        "sweep": {"leg": candidate, "points": [asdict(p) for p in points]},
+        "legs": {leg: {**p.public(),
+                       "ttft_p50_ms_range": ranged(p.ttft_p50_ms, [h[leg].ttft_p50_ms for h in halves])[1:]}
+                 for leg, p in predictions.items()},
+        "sweep": {"leg": candidate, "points": points},
         "calibration": calibration.model_dump(exclude={"halves"}),
-        "left_out": LEFT_OUT,
+        "left_out": "docs/planner.md, 'What the model leaves out'",
         "simulated_events": sum(p.events for p in predictions.values()),
         "elapsed_s": time.perf_counter() - started,
-    })
-
-
-def json_safe(value):
-    """`value` with every NaN or infinite float as None (null in plan.json, which strict JSON readers parse)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+    }), parse_constant=lambda constant: None)

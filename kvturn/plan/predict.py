@@ -61,7 +61,7 @@ def timeline(points: list[tuple[float, int, int]], mib: float) -> list[list[floa
 def predict(sim: Simulation) -> LegPrediction:
     sim.run()
     mib = sim.calibration.kv_bytes_per_token / 2**20
-    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.turn > 0]
+    ttft, later = [r.ttft_ms for r in sim.results], [r for r in sim.results if r.number > 0]
     sessions = [s.finished_s - s.start_s for s in sim.sessions if s.finished_s is not None]
     over_time = sim.retained_over_time or [(0.0, 0, 0)]
     return LegPrediction(
@@ -70,8 +70,7 @@ def predict(sim: Simulation) -> LegPrediction:
         max(pool + host for _, pool, host in over_time) * mib, max(pool for _, pool, _ in over_time) * mib,
         max(host for *_, host in over_time) * mib, sim.peak_worker_retained_tokens * mib,
         sum(1 for r in later if r.reused_tokens) / len(later) if later else 0.0, len(sim.results), sim.events,
-        dict(Counter(r.path or "colocated" for r in sim.results)),
-        timeline(sim.retained_over_time, mib))
+        dict(Counter(r.path or "colocated" for r in sim.results)), timeline(sim.retained_over_time, mib))
 
 
 def replications(workload: Workload, calibration: Calibration) -> int:
@@ -85,8 +84,7 @@ def median_of(runs: list[LegPrediction]) -> LegPrediction:
     """Each figure of `runs` (simulations of one leg) as their median, and the events of all of them."""
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
-                         runs[0].turns, sum(run.events for run in runs), paths,
-                         runs[0].retained_over_time)
+                         runs[0].turns, sum(run.events for run in runs), paths, runs[0].retained_over_time)
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
@@ -99,8 +97,7 @@ def simulate_many(workload: Workload, calibration: Calibration,
                   jobs: list[tuple[str, Deployment]]) -> list[LegPrediction]:
     """Each (leg name, deployment) simulated, in order; a large workload's on every core."""
     runs = [(workload, LEGS[leg], deployment, calibration) for leg, deployment in jobs]
-    cores = os.cpu_count() or 1
-    if len(jobs) < 2 or cores < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
+    if len(jobs) < 2 or workload.num_turns < PARALLEL_FROM_TURNS:
         return [simulate(*run) for run in runs]
-    with multiprocessing.get_context("fork").Pool(min(cores, len(jobs))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(os.cpu_count() or 1, len(jobs))) as pool:
         return pool.starmap(simulate, runs)

@@ -27,27 +27,17 @@ class Leases:
         self.tiers: dict[str, OrderedDict[str, Lease]] = {POOL: OrderedDict(), HOST: OrderedDict()}
         self.tokens = {POOL: 0, HOST: 0}
 
-    @property
-    def retained_tokens(self) -> int:
-        """In the pool: what its budget bounds."""
-        return self.tokens[POOL]
-
     def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
         self.expire(now)
         self.drop(conversation)  # superseded
         if tokens <= 0:
             return None
-        while self._over_budget(tokens) and self.reclaim_oldest():
-            pass  # room first, so that the pool never holds more than the budget
         lease = Lease(conversation, tokens, now + ttl_s)
         self.tiers[POOL][conversation] = lease
         self._add(POOL, tokens)
-        while self._over_budget(0) and self.reclaim_oldest():
-            pass  # the lease alone is over the budget: it moves itself
+        while self.budget_tokens is not None and self.tokens[POOL] > self.budget_tokens and self.reclaim_oldest():
+            pass  # the oldest move first, the new lease itself last (alone over the budget)
         return lease
-
-    def _over_budget(self, adding: int) -> bool:
-        return self.budget_tokens is not None and self.tokens[POOL] + adding > self.budget_tokens
 
     def drop(self, conversation: str) -> None:
         for tier, leases in self.tiers.items():

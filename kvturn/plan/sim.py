@@ -40,20 +40,12 @@ class Deployment:
 
 
 @dataclass(slots=True)
-class TurnResult:
-    turn: int
-    arrival_s: float
-    path: str = ""
-    reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
-    ttft_ms: float = 0.0
-
-
-@dataclass(slots=True)
 class Flight:
-    """One turn on its way through the router and the workers."""
+    """One turn on its way through the router and the workers, and, once answered, what it took."""
     state: "SessionState"
     turn: TurnDemand
-    result: TurnResult
+    number: int  # of the turn in its session, from 0
+    arrival_s: float
     shareable_tokens: int = 0  # full blocks of history KV the prompt may reuse
     dispatched_s: float = 0.0
     choice: costmodel.PathChoice | None = None
@@ -62,6 +54,9 @@ class Flight:
     decode: int = 0
     read_ms: float = 0.0  # P's read of D's retained history
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
+    path: str = ""
+    reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
+    ttft_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -90,44 +85,8 @@ def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
                                           {path: calibration.other(leg) for path, leg in other.items()})
 
 
-class RouterPool:
-    """The router's view of one role's workers, kept by its own `WorkerPool`. A worker's predicted backlog falls by
-    a millisecond each millisecond between claims, so it is kept as the time it runs out: a least-loaded pick then
-    prices no pending request."""
-
-    def __init__(self, sim: "Simulation", role: str, size: int):
-        self.sim = sim
-        self.pool = WorkerPool([f"{role}-{i}" for i in range(size)], role, clock=lambda: sim.now)
-        self.workers = self.pool.workers
-        self.free_at_s = [0.0] * size
-
-    def claim(self, index: int, work_ms: float = 0.0) -> Claim:
-        claim = self.pool.claim(self.workers[index], work_ms)
-        self._changed(index)
-        return claim
-
-    def work_done(self, claim: Claim, index: int) -> None:
-        claim.work_done()
-        self._changed(index)
-
-    def release(self, claim: Claim, index: int) -> None:
-        claim.release()
-        self._changed(index)
-
-    def _changed(self, index: int) -> None:
-        self.free_at_s[index] = self.sim.now + self.workers[index].backlog_ms(self.sim.now) / 1e3
-
-    def least_loaded(self) -> int:
-        """`WorkerPool.least_loaded`'s pick: least backlog, then fewest requests in flight, then the first."""
-        now, free_at = self.sim.now, self.free_at_s
-        soonest = min(free_at)
-        candidates = [i for i, free in enumerate(free_at) if (free == soonest if soonest > now else free <= now)]
-        return min(candidates, key=lambda i: self.workers[i].in_flight)
-
-
 class Simulation:
-    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration,
-                 seed: int = 0):
+    def __init__(self, workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration, seed: int = 0):
         self.workload, self.leg, self.deployment, self.calibration = workload, leg, deployment, calibration
         self._draw = random.Random(seed).choice  # a prompt step's factor from its kind's scatter
         self._scatter = {kind: calibration.scatter(kind) for kind in WORKER_KINDS}
@@ -135,12 +94,11 @@ class Simulation:
         d = deployment
         self.colocated = leg.mode == "colocated"
         self.shared_cores = d.one_host and not self.colocated  # P and D contend for the same cores
-        loop = lambda kind: StepLoop(self, kind, d.max_num_seqs, d.max_num_batched_tokens,  # noqa: E731
-                                     d.prefill_pack_tokens)
-        self.prefill = [] if self.colocated else [loop("prefill") for _ in range(d.num_prefill)]
-        self.decode = [loop("colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
-        self.router_prefill = RouterPool(self, "prefill", len(self.prefill))
-        self.router_decode = RouterPool(self, "decode", len(self.decode))
+        self.prefill = [] if self.colocated else [StepLoop(self, "prefill") for _ in range(d.num_prefill)]
+        self.decode = [StepLoop(self, "colocated" if self.colocated else "decode") for _ in range(d.num_decode)]
+        # the router's own view of each role's workers: its load accounting, on the simulated clock
+        self.router_prefill = WorkerPool([str(i) for i in range(len(self.prefill))], "prefill", lambda: self.now)
+        self.router_decode = WorkerPool([str(i) for i in range(len(self.decode))], "decode", lambda: self.now)
         for worker, view in zip(self.decode, self.router_decode.workers):
             worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
         self.pool_tokens = self._tokens_in(d.kv_cache_mb)
@@ -155,20 +113,18 @@ class Simulation:
         self.costs = router_cost_model(calibration)
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
-        self.prompt_workers = len(self.prefill) or len(self.decode)
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
         self.retained_over_time: list[tuple[float, int, int]] = []  # (s, pool tokens, host tokens) at each change
         self.peak_worker_retained_tokens = 0  # in the pool of the decode worker that held the most
-        self.results: list[TurnResult] = []
+        self.results: list[Flight] = []
         self.sessions = [SessionState(i, s) for i, s in enumerate(workload.sessions)]
         self._pending_sessions = list(reversed(self.sessions))
 
-    def other_role_busy(self, loop: StepLoop) -> bool:
-        """A worker of the other role is busy on the same cores (never on hardware of their own)."""
-        return self.shared_cores and any(w.busy for w in (self.decode if loop.kind == "prefill" else self.prefill))
-
     def contention_ms(self, loop: StepLoop) -> float:
-        return self.calibration.decode_contention_ms if self.other_role_busy(loop) else 0.0
+        """What a step of `loop` gains while a worker of the other role is busy on the same cores (never on hardware
+        of their own)."""
+        others = self.decode if loop.kind == "prefill" else self.prefill
+        return self.calibration.decode_contention_ms if self.shared_cores and any(w.busy for w in others) else 0.0
 
     def prompt_step_ms(self, loop: StepLoop, chunks: list[tuple[Job, int]]) -> float:
         """A step of `loop` computing the (job, new tokens) `chunks`, scattered as the calibration's steps of that
@@ -204,10 +160,9 @@ class Simulation:
 
     def _start_turn(self, state: SessionState, arrival_s: float) -> None:
         turn = state.session.turns[state.next_turn]
-        result = TurnResult(state.next_turn, arrival_s)
-        self.results.append(result)
         previous = state.session.turns[state.next_turn - 1] if state.next_turn else None
-        flight = Flight(state, turn, result, self._blocks(reusable(previous, turn)))
+        flight = Flight(state, turn, state.next_turn, arrival_s, self._blocks(reusable(previous, turn)))
+        self.results.append(flight)
         if arrival_s <= self.now:
             self._arrive(flight)
         else:
@@ -216,7 +171,7 @@ class Simulation:
     def _arrive(self, flight: Flight) -> None:
         """The turn reaches the router's path choice after the leg's time outside compute, which grows with the
         requests in flight beside it."""
-        load = self.turns_in_flight / self.prompt_workers
+        load = self.turns_in_flight / (len(self.prefill) or len(self.decode))  # per prompt worker
         self.turns_in_flight += 1
         self.at(self.now + self.calibration.other(self.leg.name, load) / 1e3, self._dispatch, flight)
 
@@ -228,6 +183,7 @@ class Simulation:
         if self.leg.bidirectional:
             self._retain(conversation, flight.decode, retained)
         self.turns_in_flight -= 1
+        flight.choice = flight.claim = None  # the results keep each turn's figures, not the router's objects
         state.next_turn += 1
         if state.next_turn < len(state.session.turns):
             self._start_turn(state, self.now + state.session.turns[state.next_turn].think_s)
@@ -250,24 +206,24 @@ class Simulation:
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
         flight.leased_tokens = entry.lease.tokens if entry else 0
-        prefill_index = self.router_prefill.least_loaded()
-        prefill = self.router_prefill.workers[prefill_index]
+        prefill = self.router_prefill.least_loaded()
         view = costmodel.TurnView(
             turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
             holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
             prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
-        flight.result.path = choice.path
+        flight.path = choice.path
         live = entry is not None and entry.lease.alive and now + self.deployment.kv_expiry_margin_s < \
             entry.lease.expiry_s
         lease_tokens = entry.lease.tokens if live else 0
         if choice.path == costmodel.COMPUTE_ON_DECODE:
-            flight.claim = self.router_decode.claim(entry.decode, choice.work_ms)
+            flight.claim = self.router_decode.claim(holder, choice.work_ms)
             self._compute_on(entry.decode, flight, lease_tokens)
         else:
-            flight.claim = self.router_prefill.claim(prefill_index, choice.work_ms)
-            self._prefill_on(prefill_index, flight, lease_tokens if choice.path == costmodel.PULL else 0)
+            flight.claim = self.router_prefill.claim(prefill, choice.work_ms)
+            self._prefill_on(self.router_prefill.workers.index(prefill), flight,
+                             lease_tokens if choice.path == costmodel.PULL else 0)
 
     def _blocks(self, tokens: int) -> int:
         return max(tokens, 0) // self.deployment.block_size * self.deployment.block_size
@@ -275,9 +231,8 @@ class Simulation:
     def _compute_on(self, decode: int, flight: Flight, lease_tokens: int) -> None:
         """The turn's prompt is computed where it is decoded (colocated, or compute on decode)."""
         shareable = flight.shareable_tokens
-        cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id),
-                                    lease_tokens))
-        flight.result.reused_tokens = min(shareable, lease_tokens)
+        cached = min(shareable, max(self.decode_cache[decode].hit(flight.state.session.conversation_id), lease_tokens))
+        flight.reused_tokens = min(shareable, lease_tokens)
         flight.decode = decode
         if not self.colocated:  # the router learns how much of a lease the next prompt shares from D's cache hit
             self.costs.observe_reuse(flight.leased_tokens, cached)
@@ -287,7 +242,7 @@ class Simulation:
     def _computed_on_decode(self, job: Job, now: float) -> None:
         flight = job.flight
         if flight.claim is not None:  # a colocated worker has no router in front
-            self.router_decode.work_done(flight.claim, flight.decode)  # D's first text: its predicted work is done
+            flight.claim.work_done()  # D's first text: its predicted work is done
         self._first_token(flight, now, job.compute_ms)
 
     def _prefill_on(self, prefill: int, flight: Flight, lease_tokens: int) -> None:
@@ -297,7 +252,7 @@ class Simulation:
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.result.reused_tokens, flight.prefill = remote, prefill
+        flight.reused_tokens, flight.prefill = remote, prefill
         job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
         if remote:  # read as P's step that admits it is scheduled
             flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
@@ -310,14 +265,14 @@ class Simulation:
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
-        self.router_prefill.release(flight.claim, flight.prefill)
+        flight.claim.release()
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
         entry = self.table.get(conversation)
         holder = entry.decode if entry else None
         if holder is None or self.router_decode.workers[holder].in_flight >= self.deployment.max_in_flight_per_decode:
-            holder = self.router_decode.least_loaded()
+            holder = self.router_decode.workers.index(self.router_decode.least_loaded())
         flight.decode = holder
-        flight.claim = self.router_decode.claim(holder)
+        flight.claim = self.router_decode.claim(self.router_decode.workers[holder])
         on_decode = min(flight.shareable_tokens, self.decode_cache[holder].hit(conversation))
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
         self._first_token(flight, now, job.compute_ms + flight.read_ms)
@@ -326,13 +281,13 @@ class Simulation:
         self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, decode)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:
-        ttft_ms = flight.result.ttft_ms = (now - flight.result.arrival_s) * 1e3
+        ttft_ms = flight.ttft_ms = (now - flight.arrival_s) * 1e3
         if flight.choice is not None:
             self.costs.observe_turn(flight.choice, ttft_ms, explained_ms)
 
     def _decoded(self, job: Job, now: float) -> None:
         if job.flight.claim is not None:
-            self.router_decode.release(job.flight.claim, job.flight.decode)
+            job.flight.claim.release()
         self._turn_done(job.flight)
 
     def _retain(self, conversation: str, decode: int, tokens: int) -> None:
@@ -341,7 +296,7 @@ class Simulation:
             self.leases[previous.decode].drop(conversation)  # superseded by the lease on another worker
         leases = self.leases[decode]
         lease = leases.retain(conversation, tokens, self.now, self.deployment.decoder_kv_blocks_ttl_s)
-        while leases.retained_tokens + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
+        while leases.tokens[POOL] + self.decode[decode].context > self.pool_tokens and leases.reclaim_oldest():
             pass  # the pool needs room: leases move or go before any running request is preempted
         if lease is not None:
             self.lease_ends.append((lease, decode))
@@ -349,7 +304,7 @@ class Simulation:
             ended, worker = self.lease_ends.popleft()
             if ended.alive:
                 self.leases[worker].drop(ended.conversation)
-        self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.retained_tokens)
+        self.peak_worker_retained_tokens = max(self.peak_worker_retained_tokens, leases.tokens[POOL])
         if lease is None or not lease.alive:
             self.table.pop(conversation, None)
         else:

@@ -3,7 +3,6 @@ samples of the plan's cost model. A step is measured as it ran beside everything
 steps on the same host, the router, the client, reads over NIXL), so the slowdown beside the other role and the
 cost of starting idle are in the fits, on average, as the calibration run saw them."""
 import random
-from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -62,17 +61,6 @@ def leg_steps(run: dict) -> dict[str, list[Step]]:
     return steps
 
 
-@dataclass(slots=True)
-class StepSamples:
-    """Each kind's prompt steps, and its decode-only steps as (batch, longest context, share of the step the other
-    role computed, ms), pooled over the legs and runs given."""
-    prompts: dict[str, list[Step]]
-    decodes: dict[str, list[tuple[int, int, float, float]]]
-
-    def count(self) -> int:
-        return sum(map(len, self.prompts.values())) + sum(map(len, self.decodes.values()))
-
-
 def half_of(items: list, half: int | None) -> list:
     """All of `items`, or one half of them (0 or 1) drawn at random, the same draw every time: steps in time order
     often repeat a few shapes in turn, which every other step would split unevenly."""
@@ -82,8 +70,9 @@ def half_of(items: list, half: int | None) -> list:
     return [item for i, item in enumerate(items) if (i in first) == (half == 0)]
 
 
-def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> StepSamples:
-    """The legs' steps by kind, or one half of each kind's (`half_of`)."""
+def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> tuple[dict, dict]:
+    """(each kind's prompt steps, its decode-only steps as (batch, longest context, share of the step the other role
+    computed, ms)), pooled over the legs given, or one half of each kind's (`half_of`)."""
     prompts: dict[str, list] = {"prefill": [], "decode": [], "colocated": []}
     decodes: dict[str, list] = {"decode": [], "colocated": []}
     for steps in legs:
@@ -95,5 +84,5 @@ def collect(legs: list[dict[str, list[Step]]], half: int | None = None) -> StepS
                 elif kind in decodes:
                     busy = busy_share(step.interval, prefilling) if kind == "decode" else 0.0
                     decodes[kind].append((step.decodes, step.decode_longest, busy, step.ms))
-    return StepSamples({kind: half_of(steps, half) for kind, steps in prompts.items()},
-                       {kind: half_of(steps, half) for kind, steps in decodes.items()})
+    return ({kind: half_of(steps, half) for kind, steps in prompts.items()},
+            {kind: half_of(steps, half) for kind, steps in decodes.items()})

@@ -41,42 +41,31 @@ class Segment:
     count: int
     batch: int
     longest: int
-    version: int
 
 
 @dataclass(slots=True, eq=False)
 class StepLoop:
-    sim: object  # the Simulation: now, at(), the calibration, and the price of a step
+    sim: object  # the Simulation: now, at(), the calibration, the deployment's limits, and the price of a step
     kind: str  # "prefill", "decode" or "colocated": which of the calibration's fits applies
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    prefill_pack_tokens: int
     waiting: deque = field(default_factory=deque)
     prefilling: list = field(default_factory=list)
     decoding: list = field(default_factory=list)  # heap of (step it finishes at, order, job)
     steps: int = 0
     context: int = 0  # tokens of KV the decoding requests hold
     longest_base: int = 0  # the decoding requests' longest prompt less the step it joined at
-    in_flight: int = 0  # requests queued or running here (the router's load)
     segment: Segment | None = None
     steps_in_flight: int = 0  # decode steps the step or segment now running adds to `steps` when it ends
     busy: bool = False
     token_gaps_ms: deque | None = None  # where the router records this worker's step times (decode workers)
     _order: int = 0
-    _versions: int = 0
 
     def submit_prefill(self, job: Job) -> None:
-        self.in_flight += 1
         self.waiting.append(job)
         self._wake()
 
     def submit_decode(self, job: Job) -> None:
-        self.in_flight += 1
-        self._start_decode(job, self.sim.now)
-
-    def _start_decode(self, job: Job, now: float) -> None:
         if job.decode_steps <= 0:
-            self._finish(job, now)
+            job.on_finished(job, self.sim.now)
             return
         running = self.busy
         if running:
@@ -90,10 +79,6 @@ class StepLoop:
         if not running:
             self._wake()
 
-    def _finish(self, job: Job, now: float) -> None:
-        self.in_flight -= 1
-        job.on_finished(job, now)
-
     def _wake(self) -> None:
         """New work: start a step if idle, or cut a run of decode-only steps at the step in progress."""
         if not self.busy:
@@ -101,11 +86,6 @@ class StepLoop:
             self._step()
         elif self.segment is not None and self.segment.count > 1:
             self._cut_segment()
-
-    @property
-    def longest(self) -> int:
-        """The longest context a decoding request attends to now."""
-        return self.longest_base + self.steps if self.decoding else 0
 
     def _segment_ms(self, count: int, batch: int, longest: int) -> float:
         calibration = self.sim.calibration
@@ -119,30 +99,30 @@ class StepLoop:
         while low < high:
             mid = (low + high) // 2
             low, high = (mid + 1, high) if self._segment_ms(mid, seg.batch, seg.longest) < elapsed_ms else (low, mid)
-        if low < seg.count:
-            self._versions += 1
-            seg.count, seg.version, self.steps_in_flight = low, self._versions, low
-            self.sim.at(seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3, self._end_segment,
-                        seg.version)
+        if low < seg.count:  # a shorter segment in its place, which only its own end event ends
+            self.segment = seg = Segment(seg.start_s, low, seg.batch, seg.longest)
+            self.steps_in_flight = low
+            self.sim.at(seg.start_s + self._segment_ms(low, seg.batch, seg.longest) / 1e3, self._end_segment, seg)
 
     def _step(self) -> None:
         now, batch = self.sim.now, len(self.decoding)
-        while self.waiting and batch + len(self.prefilling) < self.max_num_seqs:
+        longest = self.longest_base + self.steps  # the longest context a decoding request attends to now
+        while self.waiting and batch + len(self.prefilling) < self.sim.deployment.max_num_seqs:
             self.prefilling.append(self.waiting.popleft())
         if not self.prefilling and batch:
-            count, longest = self.decoding[0][0] - self.steps, self.longest
-            self._versions += 1  # an earlier segment's end event, cut short, must not end this one
-            self.segment = Segment(now, count, batch, longest, self._versions)
+            count = self.decoding[0][0] - self.steps
+            self.segment = Segment(now, count, batch, longest)
             self.steps_in_flight = count
-            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self._versions)
+            self.sim.at(now + self._segment_ms(count, batch, longest) / 1e3, self._end_segment, self.segment)
             return
         if not self.prefilling:
             self.busy = False
             return
         reads_ms, chunks = self._admit(batch)
         ms = self.sim.prompt_step_ms(self, chunks)
-        if batch:  # the decodes beside add their terms to the one forward pass
-            beside = self.sim.calibration.decodes_beside_prompts_ms(self.kind, batch, self.longest)
+        if batch:  # the decodes beside add their terms to the one forward pass, which pays one fixed cost
+            calibration = self.sim.calibration
+            beside = calibration.decode_steps_ms(self.kind, 1, batch, longest) - calibration.step_fit(self.kind)[0]
             ms += beside + self.sim.contention_ms(self) if beside else 0.0
         self.steps_in_flight = 1 if batch else 0
         self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
@@ -153,12 +133,13 @@ class StepLoop:
         has left), then the waiting ones in turn while the token budget lasts, one whose KV a peer holds whatever
         the pack's room (its read starts, on the worker's own thread before the forward pass), one without only while
         there is room. The prompts just read join the step last, in what room is left."""
-        budget, taken, chunks = self.max_num_batched_tokens - batch, 0, []
+        limits = self.sim.deployment
+        budget, taken, chunks = limits.max_num_batched_tokens - batch, 0, []
 
         def take(job: Job) -> bool:
             nonlocal budget, taken
             n = min(job.prefill_tokens, budget if job.started or not taken else
-                    min(budget, self.prefill_pack_tokens - taken))
+                    min(budget, limits.prefill_pack_tokens - taken))
             if n > 0:
                 chunks.append((job, n))
                 budget, taken = budget - n, taken + n
@@ -197,13 +178,12 @@ class StepLoop:
                 self.prefilling.remove(job)
                 job.on_first_token(job, now)
                 job.decode_steps -= 1  # the prefill's own step sampled the first token
-                self._start_decode(job, now)
+                self.submit_decode(job)
         self._step()
 
-    def _end_segment(self, version: int) -> None:
-        seg = self.segment
-        if seg is None or version != seg.version:
-            return
+    def _end_segment(self, seg: Segment) -> None:
+        if seg is not self.segment:
+            return  # cut short: the shorter segment in its place has its own end event
         self.segment = None
         if self.token_gaps_ms is not None:  # the router sees the steps as gaps between streamed tokens
             gap = (self.sim.now - seg.start_s) * 1e3 / seg.count
@@ -223,4 +203,4 @@ class StepLoop:
         if finished:
             self.longest_base = max((job.prompt_tokens - job.joined_step for _, _, job in self.decoding), default=0)
         for job in finished:
-            self._finish(job, now)
+            job.on_finished(job, now)

@@ -46,11 +46,17 @@ class TraceError(ValueError):
     """A workload or trace file that cannot be read, with the file (and line) at fault."""
 
 
-def continues(previous: TurnDemand, prompt_tokens: int) -> int:
-    """Tokens a prompt shares with the previous turn's prompt and answer, from lengths alone: all of them when it
-    extends them; the previous prompt when the answer came back shorter (thinking dropped from the history);
-    nothing when it is shorter than the previous prompt (edited or truncated)."""
+def continues(turns: list[TurnDemand], prompt_tokens: int, said: int | None = None) -> int:
+    """Tokens a prompt shares with the prompt and answer of the last of `turns` (none without one): what a trace line
+    `said`, within that history; else from lengths alone: all of them when it extends them; the previous prompt
+    when the answer came back shorter (thinking dropped from the history); nothing when it is shorter than the
+    previous prompt (edited or truncated)."""
+    if not turns:
+        return 0
+    previous = turns[-1]
     history = previous.prompt_tokens + previous.output_tokens
+    if said is not None:
+        return min(said, history)
     if prompt_tokens >= history:
         return history
     return previous.prompt_tokens if prompt_tokens >= previous.prompt_tokens else 0
@@ -73,8 +79,7 @@ def from_conversations(name: str, conversations: list, tokenizer, clients: int) 
         for turn in conv.turns:
             messages.append({"role": "user", "content": turn.user})
             prompt = len(tokenizer.encode(tokenizer.apply_chat_template(messages))) + answered
-            shared = min(system_tokens, prompt) if turn.edit_history else (
-                continues(turns[-1], prompt) if turns else 0)
+            shared = min(system_tokens, prompt) if turn.edit_history else continues(turns, prompt)
             turns.append(TurnDemand(prompt, turn.answer_tokens, shared, turn.gap_s if turns else 0.0))
             messages.append({"role": "assistant", "content": ""})
             answered += turn.answer_tokens
@@ -101,61 +106,39 @@ class TraceRecord(BaseModel):
         return self
 
 
-def _record(data, where: str) -> TraceRecord:
-    """A trace record, or TraceError saying where and which field is wrong."""
-    try:
-        return TraceRecord.model_validate(data)
-    except ValidationError as exc:
-        raise TraceError(f"{where}: " + "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"]
-                                                   else e["msg"] for e in exc.errors())) from None
-
-
-def _shared(turns: list[TurnDemand], record: TraceRecord) -> int:
-    """What `record`'s prompt shares with the previous turn's prompt and answer: as the trace says, within that
-    history, or as `continues` infers."""
-    if not turns:
-        return 0
-    if record.shared_tokens is None:
-        return continues(turns[-1], record.prompt_tokens)
-    return min(record.shared_tokens, turns[-1].prompt_tokens + turns[-1].output_tokens)
-
-
 def from_trace(path: Path) -> Workload:
     """A JSONL trace: requests grouped by conversation in time order; each conversation starts at its first
     request's time, relative to the trace's first request."""
-    records = []
     try:
-        with open(path, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
-                    records.append(_record(data, f"{path}:{number}"))
+        with open(path, encoding="utf-8") as file:
+            lines = [(number, line) for number, line in enumerate(file, 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
-    return from_records(Path(path).stem, records, str(path))
-
-
-def from_records(name: str, records: list[TraceRecord], where: str) -> Workload:
     by_conversation: dict[str, list[TraceRecord]] = {}
-    for record in records:
+    for number, line in lines:  # a line that is wrong is named, with the field at fault
+        try:
+            record = TraceRecord.model_validate(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        except ValidationError as exc:
+            wrong = "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"] else e["msg"]
+                              for e in exc.errors())
+            raise TraceError(f"{path}:{number}: {wrong}") from None
         by_conversation.setdefault(record.conversation_id, []).append(record)
     if not by_conversation:
-        raise TraceError(f"{where}: no requests in the trace")
-    origin = min(r.timestamp for r in records)
+        raise TraceError(f"{path}: no requests in the trace")
+    origin = min(record.timestamp for turns_of in by_conversation.values() for record in turns_of)
     sessions = []
     for conversation_id, turns_of in by_conversation.items():
         turns_of.sort(key=lambda r: r.timestamp)
         turns: list[TurnDemand] = []
-        for previous, record in zip([None, *turns_of], turns_of):
-            ended = None if previous is None else previous.timestamp if previous.finished is None else \
-                previous.finished
-            think = 0.0 if ended is None else max(record.timestamp - ended, 0.0)
-            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, _shared(turns, record), think))
+        ends = [r.timestamp if r.finished is None else r.finished for r in turns_of]  # of its answer, or its arrival
+        for index, record in enumerate(turns_of):
+            think = max(record.timestamp - ends[index - 1], 0.0) if index else 0.0
+            shared = continues(turns, record.prompt_tokens, record.shared_tokens)
+            turns.append(TurnDemand(record.prompt_tokens, record.output_tokens, shared, think))
         sessions.append(Session(conversation_id, turns, turns_of[0].timestamp - origin))
-    return Workload(name, sorted(sessions, key=lambda s: s.start_s))
+    return Workload(Path(path).stem, sorted(sessions, key=lambda s: s.start_s))
 
 
 def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: int, turns: int,
