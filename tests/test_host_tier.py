@@ -252,7 +252,7 @@ def test_the_host_tier_hands_out_a_run_of_consecutive_blocks_while_one_is_free()
     from kvturn.engine.kv_cache import LAYER_MAJOR, KVCache, KVLayout
     from kvturn.kv_transfer.host_tier import HostTier
     tier = HostTier(KVCache(KVLayout("qwen3", "float32", 4, 16, 2, 1, 4, LAYER_MAJOR)), 20)
-    first, second, third = tier.allocate(5), tier.allocate(5), tier.allocate(5)
+    first, second, _ = tier.allocate(5), tier.allocate(5), tier.allocate(5)  # the third fills blocks 10-14
     tier.free(second)
     assert tier.allocate(3) == [5, 6, 7]  # the freed run, not whatever was freed first
     assert tier.allocate(4) == [15, 16, 17, 18]  # the gap of 2 left is too short
