@@ -12,7 +12,7 @@ run() {  # NAME COMMAND...: skipped unless named (or nothing named)
     local name=$1; shift
     if [ ${#SELECTED[@]} -gt 0 ] && [[ ! " ${SELECTED[*]} " =~ " $name " ]]; then return; fi
     echo "== $name: $*"
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    "$@" 2>&1 | sed "s#$HOME#~#g" | tee "$OUT/$name.log"  # the log names no one's home folder
 }
 SELECTED=("$@")
 
