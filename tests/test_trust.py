@@ -270,6 +270,8 @@ MALFORMED_LEASES = {
     "unequal-lengths": (lease_reply(block_hashes=[11, 12, 13]), "bad_peer_reply"),
     "blocks-outside-its-pool": (lease_reply(block_ids=[1020, 10**9]), "bad_peer_reply"),
     "negative-block-id": (lease_reply(block_ids=[-1, 1021]), "bad_peer_reply"),
+    "boolean-block-id": (lease_reply(block_ids=[True, 1021]), "bad_peer_reply"),  # JSON true is not block 1
+    "float-epoch": (lease_reply(block_epochs=[0.0, 0]), "bad_peer_reply"),
     "first-token-outside-vocab": (lease_reply(first_token_id=10**9), "bad_peer_reply"),
     "tokens-beyond-its-blocks": (lease_reply(num_tokens=10**6), "bad_peer_reply"),
     "server-error": ({"status": 500, "raw": "boom"}, "peer_unreachable"),

@@ -17,12 +17,18 @@ class BadKVParams(ValueError):
     pass
 
 
+def only_ints(values: list) -> bool:
+    """Every item an int (not a bool, nor an int subclass): type() compared in C, as lists of thousands of block ids,
+    hashes and epochs cross the wire every turn."""
+    return set(map(type, values)) <= {int}
+
+
 def _int_list(value: Any, name: str) -> list[int] | None:
     if value is None:
         return None
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
         value = value[0]  # vLLM: one list per KV cache group; kvturn has one group
-    if not isinstance(value, list) or len(value) > MAX_BLOCKS or not set(map(type, value)) <= {int}:  # bool is not
+    if not isinstance(value, list) or len(value) > MAX_BLOCKS or not only_ints(value):
         raise BadKVParams(f"{name} must be a list of integers")
     return value
 

@@ -20,7 +20,7 @@ from kvturn.errors import error_response
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks
 from kvturn.kv_transfer.nixl_agent import Peer
-from kvturn.kv_transfer.params import POOL, SECRET_HEADER, TIERS, RemoteRef
+from kvturn.kv_transfer.params import POOL, SECRET_HEADER, TIERS, RemoteRef, only_ints
 
 log = logging.getLogger(__name__)
 PEER_HEADER = "X-Kvturn-Peer"  # the caller's own side-channel address (host:port), so the peer can connect back
@@ -61,8 +61,8 @@ def lease_binding(secret: str, kind: str, engine_id: str, binding_key: str, reco
 def _ints(value, length: int | None = None, low: int = 0, high: int = 2**63) -> list[int] | None:
     if not isinstance(value, list) or (length is not None and len(value) != length):
         return None
-    if not set(map(type, value)) <= {int} or (value and not (low <= min(value) and max(value) < high)):
-        return None  # type() and min/max run in C: a lease record holds thousands of ids, hashes and epochs
+    if not only_ints(value) or (value and not (low <= min(value) and max(value) < high)):
+        return None
     return value
 
 
