@@ -27,6 +27,7 @@ run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max
 for tokens in 4000 16000 32000; do
     run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
 done
+run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
 run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
 run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
 run plan-accuracy $PY benchmarks/plan_accuracy.py --workloads calibration,short-chats,long-agents,sweep \
