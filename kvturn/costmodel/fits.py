@@ -33,10 +33,11 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, active: list[int]) -> np.nda
     return coefficients
 
 
-def relative_nonnegative_fit(x: np.ndarray, ms: np.ndarray) -> np.ndarray:
-    """Coefficients of every column of x fitted to `ms` by least relative squares (each sample's error as a share of
-    its time, so that a few long prompts do not decide the cost of the many short ones), none negative."""
-    return nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(x.shape[1])))
+def relative_nonnegative_fit(x: np.ndarray, ms: np.ndarray, active: list[int] | None = None) -> np.ndarray:
+    """Coefficients of the columns `active` of x (all by default) fitted to `ms` by least relative squares (each
+    sample's error as a share of its time, so that a few long prompts do not decide the cost of the many short
+    ones), none negative."""
+    return nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), list(range(x.shape[1])) if active is None else active)
 
 
 def plausible_step_ms(ms: float, tokens: int) -> bool:
@@ -174,8 +175,7 @@ def fit_through_median(x: np.ndarray, ms: np.ndarray, active: list[int] | None =
     """Least relative squares of `ms` on the columns `active` of x (all by default), none negative, scaled so that
     half the samples ran slower than the fit and half faster: least relative squares come out low when times
     scatter, and a plan predicts medians."""
-    active = list(range(x.shape[1])) if active is None else active
-    coefficients = nonnegative_lstsq(x / ms[:, None], np.ones(len(ms)), active)
+    coefficients = relative_nonnegative_fit(x, ms, active)
     return coefficients * median_ratio(ms, x @ coefficients)
 
 
