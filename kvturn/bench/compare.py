@@ -90,8 +90,8 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
         result.worker_calibration = worker_calibration(stack)
         result.worker_steps, missing = worker_steps(stack, started_s)
         if missing:
-            console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan calibrates from "
-                          f"this run's requests instead[/yellow]")
+            console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan cannot calibrate "
+                          f"from this leg[/yellow]")
     failed = sum(1 for r in result.requests if r.error)
     console.print(f"  {len(result.requests)} requests, {failed} failed, {result.runtime_s:.1f} s")
     return result
