@@ -405,6 +405,10 @@ def bench(
     raise typer.Exit(1 if failed else 0)
 
 
+# What `kvturn plan --scenario` builds at most (its text is generated and tokenized before anything is simulated)
+MAX_PLAN_SESSIONS, MAX_PLAN_TURNS, MAX_PLAN_PROMPT_TOKENS = 10_000, 1_000, 2**20
+
+
 @app.command()
 def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
@@ -451,7 +455,7 @@ def plan(
     from rich.console import Console
 
     from kvturn.bench.catalog import SCENARIOS
-    from kvturn.plan import calibration, planner, report, trace
+    from kvturn.plan import calibration, planner, predict, report, trace
     from kvturn.plan.sim import Deployment
     console = Console(width=None if sys.stdout.isatty() else 160)
     if (workload_file is None) == (scenario is None):
@@ -470,6 +474,9 @@ def plan(
         raise typer.BadParameter("worker counts must be positive, host budget shares and --reuse-target within (0, 1]")
     if (sessions is not None and sessions < 1) or turns < 1 or max_prompt_tokens < 1:
         raise typer.BadParameter("--sessions, --turns and --max-prompt-tokens must be at least 1")
+    if (sessions or 0) > MAX_PLAN_SESSIONS or turns > MAX_PLAN_TURNS or max_prompt_tokens > MAX_PLAN_PROMPT_TOKENS:
+        raise typer.BadParameter(f"--sessions, --turns and --max-prompt-tokens are at most {MAX_PLAN_SESSIONS}, "
+                                 f"{MAX_PLAN_TURNS} and {MAX_PLAN_PROMPT_TOKENS}")
     # The deployment's settings as the workers would take them: a worker refuses what the plan would misplan
     connector = build(ConnectorConfig, decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                       retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
@@ -485,6 +492,7 @@ def plan(
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
+        predict.bounded(workload, cost_model)
     except (trace.TraceError, calibration.CalibrationError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     if save_calibration:

@@ -203,7 +203,7 @@ def test_a_bench_run_with_junk_in_its_requests_fits_what_is_plausible(cost_model
             if isinstance(request, dict) and request.get("bytes_d_to_p"):
                 request["bytes_d_to_p"] = 1
     (tmp_path / "tiny.json").write_text(json.dumps(results))
-    with pytest.raises(calibration.CalibrationError, match=r"tiny\.json: .*malformed calibration: kv_bytes_per_token"):
+    with pytest.raises(calibration.CalibrationError, match=r"tiny\.json: .*malformed calibration: .*kv_bytes_per_token"):
         calibration.load(tmp_path / "tiny.json")
 
 
@@ -558,6 +558,58 @@ def test_the_plan_command_refuses_a_hostile_workload_file_naming_it(tmp_path, mo
 def test_the_plan_command_refuses_a_deployment_no_worker_would_run(tmp_path, args, message):
     calibrated = [] if "--calibration" in args else ["--calibration", str(FIXTURE)]
     result = CliRunner().invoke(app, ["plan", "--scenario", "sweep", *calibrated, *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert message in said(result), result.output
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than Python's JSON parser recurses
+TRACE_LINE = '{"timestamp": %s, "conversation_id": "%s", "prompt_tokens": %d, "output_tokens": %d}'
+
+
+def plan_exit(workload: Path, calibration_file: Path, tmp_path: Path):
+    return CliRunner().invoke(app, ["plan", "--workload", str(workload), "--calibration", str(calibration_file),
+                                    "--legs", "pd/P-cache-on", "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("field, raw, message", [
+    ("decode_step_fit", "[Infinity, 0.5, 3.5]", "decode_step_fit"),
+    ("decode_step_fit", "[NaN, 0.5, 3.5]", "decode_step_fit"),
+    ("kv_bytes_per_token", "1e999", "kv_bytes_per_token"),
+    ("compute_fits", '{"prefill": [1e308, 0.1, 0.1, 0.1]}', "compute_fits.prefill"),
+    ("other_ms", '{"pd/P-cache-on": 1e308}', "other_ms"),
+    ("context_seen", "-5", "context_seen"),
+    ("halves", None, "halves"),
+    (None, DEEP, "nested deeper than 32 levels"),
+])
+def test_the_plan_command_refuses_a_hostile_calibration_in_one_line(cost_model, tmp_path, field, raw, message):
+    """Not a traceback (exit code 1), nor a plan run on numbers that overflow: a usage error naming what is wrong."""
+    saved = json.loads(cost_model.save(tmp_path / "c.json").read_text())
+    if field == "halves":
+        whole = {name: value for name, value in saved.items() if name != "kind"}
+        raw = json.dumps([{**whole, "halves": [whole]}])
+    if field is None:
+        (tmp_path / "c.json").write_text(raw)
+    else:
+        saved[field] = "@@"
+        (tmp_path / "c.json").write_text(json.dumps(saved).replace('"@@"', raw))
+    trace_file = write_lines(tmp_path / "t.jsonl", [json.loads(TRACE_LINE % (1, "a", 100, 10))])
+    result = plan_exit(trace_file, tmp_path / "c.json", tmp_path)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "c.json" in said(result) and message in said(result), result.output
+
+
+@pytest.mark.parametrize("lines, message", [
+    (["{\"timestamp\": %s}" % ("[" * 20_000 + "]" * 20_000)], "t.jsonl:1: nested deeper than 32 levels"),
+    (["{\"timestamp\": %s}" % ("[" * 40 + "]" * 40)], "t.jsonl:1: nested deeper than 32 levels"),
+    ([TRACE_LINE % (1, "a" * 70_000, 100, 10)], "t.jsonl:1: a line of 70"),
+    ([TRACE_LINE % (i, "a", 2**24, 2**24) for i in range(4)], "over the 200000 kvturn plan takes"),
+    ([TRACE_LINE % (i, f"c{i % 999}", 8 * 8192 + 1, 10) for i in range(25_000)], "over the 200000 kvturn plan"),
+])
+def test_the_plan_command_refuses_a_trace_too_deep_too_long_or_too_much_to_simulate(cost_model, tmp_path, lines,
+                                                                                     message):
+    """A trace whose simulation would run for minutes is refused before it starts, saying how much it asks."""
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    result = plan_exit(tmp_path / "t.jsonl", cost_model.save(tmp_path / "c.json"), tmp_path)
     assert result.exit_code == 2, (result.output, result.exception)
     assert message in said(result), result.output
 

@@ -5,14 +5,14 @@ transfer and queues. The fit of each half of the samples (drawn at random) is ke
 its figures move with the samples it was fitted to."""
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvturn.costmodel.fits import compute_terms, fit_decode_steps, fit_through_median, line_through_medians, \
     median_ratio
-from kvturn.plan import step_samples
+from kvturn.plan import json_files, step_samples
 from kvturn.plan.rows import in_flight, rows_of
 
 KIND, SCHEMA_VERSION = "kvturn-calibration", 2
@@ -21,7 +21,11 @@ MIN_PROMPT_SHARE = 0.25  # of a prompt step, the least left once the decodes bes
 SCATTER_QUANTILES = np.linspace(0.025, 0.975, 20)  # of a kind's prompt steps over its fit, kept for the simulation
 WorkerKind = Literal["prefill", "decode", "colocated"]
 WORKER_KINDS = ("prefill", "decode", "colocated")
-Ms = NonNegativeFloat
+# Every number finite and within what any hardware could measure: a saved calibration is a file anyone may have
+# written, and 1e308 in a fit would overflow the simulation's arithmetic.
+MAX_MS = 1e7  # of a fit's term, a leg's overhead (~3 hours)
+Ms = Annotated[float, Field(ge=0.0, le=MAX_MS, allow_inf_nan=False)]
+Scatter = Annotated[float, Field(ge=1e-3, le=100.0, allow_inf_nan=False)]  # as the fit clips it
 ComputeTerms = tuple[Ms, Ms, Ms, Ms]  # (a, b, c, q): ms = a + b n + c n context / 1e3 + q n^2 / 2e3
 StepTerms = tuple[Ms, Ms, Ms]  # (a, b, k): ms = a + b batch + k batch longest context / 1e3
 
@@ -38,12 +42,14 @@ class Calibration(BaseModel):
     colocated_step_fit: StepTerms | None = None  # a colocated worker's own (it may have more cores); None: D's
     decode_contention_ms: Ms = 0.0  # what a decode step gains while the other role computes on the same host
     read_ms_per_mib: dict[Literal["d_to_p", "p_to_d"], Ms]
-    kv_bytes_per_token: float = Field(ge=1.0)
+    kv_bytes_per_token: float = Field(ge=1.0, le=2.0**30, allow_inf_nan=False)
     other_ms: dict[str, Ms] = {}  # per leg, of a turn alone
     other_ms_per_request: dict[str, Ms] = {}  # ...and what each other request in flight per prompt worker adds,
     other_load_seen: Ms = 0.0  # up to the most the calibration run saw
-    step_scatter: dict[WorkerKind, list[PositiveFloat]] = {}  # quantiles of prompt steps over the fit, median 1
-    context_seen: int = 0  # the most tokens a prompt step attended to (its context and itself): beyond, fits guess
+    # quantiles of prompt steps over the fit, median 1
+    step_scatter: dict[WorkerKind, Annotated[list[Scatter], Field(max_length=len(SCATTER_QUANTILES))]] = {}
+    # the most tokens a prompt step attended to (its context and itself): beyond, fits guess
+    context_seen: int = Field(default=0, ge=0, le=step_samples.MAX_TOKENS)
     halves: list["Calibration"] = Field(default=[], max_length=2)
     source: str = ""
     samples: dict[str, int] = {}
@@ -54,6 +60,13 @@ class Calibration(BaseModel):
         if "prefill" not in fits:
             raise ValueError("needs the prefill worker's fit, which a kind not measured takes")
         return fits
+
+    @field_validator("halves")
+    @classmethod
+    def _halves_are_whole(cls, halves: list) -> list:
+        if any(half.halves for half in halves):
+            raise ValueError("a half of a calibration has no halves of its own")
+        return halves
 
     def fit_for(self, worker: str) -> ComputeTerms:
         return self.compute_fits.get(worker) or self.compute_fits["prefill"]
@@ -187,8 +200,8 @@ def validated(fields: dict, where: str = "the fit") -> Calibration:
 
 def _read_json(path: Path):
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json_files.read_json(path)
+    except json_files.Unreadable as exc:
         raise CalibrationError(f"{path}: cannot read a calibration ({exc})") from None
 
 

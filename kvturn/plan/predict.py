@@ -10,13 +10,17 @@ import numpy as np
 from kvturn.bench.catalog import LEGS, Leg
 from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.sim import Deployment, Simulation
-from kvturn.plan.trace import Workload
+from kvturn.plan.trace import TraceError, Workload
 
 TIMELINE_POINTS = 48  # of retained KV over time in plan.json, each the most of its span of time
 # A workload of fewer turns is simulated again, an odd number of times up to MAX_REPLICATIONS, and each figure is
 # the median: a few dozen turns' p50 moves with which of them queued, as a bench run's does.
 SCATTER_TURNS, MAX_REPLICATIONS = 2000, 31
 PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting a worker process
+# The most steps one leg's simulations (all its replications) may take: a trace of a hundred thousand turns of
+# prompts up to a step each, or a few turns of 16M-token prompts. A plan simulates some 30 legs (its own, the sweep's,
+# each again with the calibration's halves), all of them within a few minutes on one core.
+MAX_SIMULATED_STEPS = 200_000
 FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
            "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")
 
@@ -78,6 +82,18 @@ def replications(workload: Workload, calibration: Calibration) -> int:
         return 1  # every simulation is the same
     wanted = min(MAX_REPLICATIONS, -(-SCATTER_TURNS // max(workload.num_turns, 1)))
     return wanted if wanted % 2 else wanted + 1
+
+
+def bounded(workload: Workload, calibration: Calibration) -> Workload:
+    """`workload`, or TraceError when a leg's simulations of it would take more than MAX_SIMULATED_STEPS steps: a
+    trace or workload file (anyone may have written it) is planned in bounded time or refused at once."""
+    steps = workload.simulated_steps * replications(workload, calibration)
+    if steps > MAX_SIMULATED_STEPS:
+        raise TraceError(f"{workload.name}: simulating its {workload.num_turns} turns takes {steps} steps a leg "
+                         f"(prompts of {sum(t.prompt_tokens for s in workload.sessions for t in s.turns)} tokens in "
+                         f"all), over the {MAX_SIMULATED_STEPS} kvturn plan takes: plan a sample of it (some of its "
+                         "conversations) or shorter prompts")
+    return workload
 
 
 def median_of(runs: list[LegPrediction]) -> LegPrediction:

@@ -1,7 +1,6 @@
 """What `kvturn plan` simulates: sessions of turns, each reduced to the token counts and think time that decide its
 cost, read from anything `kvturn bench` replays or from a JSONL trace of real traffic as `kvturn router --trace-out`
 writes it (the format: docs/planner.md)."""
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,10 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvturn.bench import catalog
 from kvturn.bench import workload as bench_workload
+from kvturn.config import EngineConfig, default_of
 from kvturn.model.tokenizer import ChatTokenizer
+from kvturn.plan import json_files
 
 MAX_TIMESTAMP_S = 1e11  # a finite time in seconds, epoch or relative (year 5138)
 MAX_TOKENS = 2**24  # of a prompt or an answer
+STEP_TOKENS = default_of(EngineConfig, "max_num_batched_tokens")  # a simulated prefill step's most
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,11 @@ class Workload:
     @property
     def num_turns(self) -> int:
         return sum(len(s.turns) for s in self.sessions)
+
+    @property
+    def simulated_steps(self) -> int:
+        """The steps a simulation of it takes at least: one a turn, and one per STEP_TOKENS of a prompt."""
+        return sum(max(1, -(-t.prompt_tokens // STEP_TOKENS)) for s in self.sessions for t in s.turns)
 
 
 class TraceError(ValueError):
@@ -110,16 +117,19 @@ def from_trace(path: Path) -> Workload:
     """A JSONL trace: requests grouped by conversation in time order; each conversation starts at its first
     request's time, relative to the trace's first request."""
     try:
-        with open(path, encoding="utf-8") as file:
-            lines = [(number, line) for number, line in enumerate(file, 1) if line.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
+        text = json_files.read_text(path)
+    except json_files.Unreadable as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc})") from None
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
     by_conversation: dict[str, list[TraceRecord]] = {}
     for number, line in lines:  # a line that is wrong is named, with the field at fault
+        if len(line) > json_files.MAX_LINE_BYTES:
+            raise TraceError(f"{path}:{number}: a line of {len(line)} characters, over the "
+                             f"{json_files.MAX_LINE_BYTES} a trace line may have")
         try:
-            record = TraceRecord.model_validate(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            record = TraceRecord.model_validate(json_files.loads(line))
+        except json_files.Unreadable as exc:
+            raise TraceError(f"{path}:{number}: {exc}") from None
         except ValidationError as exc:
             wrong = "; ".join(f"'{'.'.join(map(str, e['loc']))}' {e['msg']}" if e["loc"] else e["msg"]
                               for e in exc.errors())
@@ -159,8 +169,8 @@ def load(path: Path, model_dir: Callable[[], str], seed: int, clients: int) -> W
     if path.suffix == ".jsonl":
         return from_trace(path)
     try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        json_files.read_json(path)
+    except json_files.Unreadable as exc:
         raise TraceError(f"{path}: not a JSON workload ({exc}); a trace needs the .jsonl suffix") from None
     tokenizer = ChatTokenizer(model_dir())
     try:
