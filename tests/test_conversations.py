@@ -1,5 +1,6 @@
 """The router's conversation table and conversation keys, without processes."""
 import asyncio
+import sqlite3
 import time
 
 import pytest
@@ -48,7 +49,7 @@ def test_the_table_is_bounded_oldest_first():
     table = ConversationTable(ttl_s=60, max_entries=3)
     for name in "abcd":
         run(table.put(entry(name)))
-        run(table.remember_history(f"digest-{name}", name))
+        run(table.remember_history(f"digest-{name}", name, f"id-{name}"))
     assert run(table.size()) == (3, 3)
     assert run(table.lookup("a"))[0] is None and run(table.lookup("d"))[0] is not None
 
@@ -57,19 +58,34 @@ def test_sqlite_state_survives_a_restart(tmp_path):
     path = tmp_path / "state.sqlite"
     table = ConversationTable(ttl_s=60, max_entries=10, state_path=path)
     run(table.put(entry("a", order=4)))
-    run(table.remember_history("digest", "a"))
+    run(table.remember_history("digest", "a", "derived-a"))
     run(table.close())
     again = ConversationTable(ttl_s=60, max_entries=10, state_path=path)
-    assert run(again.lookup("a"))[0].order == 4 and run(again.find_history(["x", "digest"])) == "a"
+    assert run(again.lookup("a"))[0].order == 4 and run(again.find_history(["x", "digest"])) == ("a", "derived-a")
+
+
+def test_a_state_file_of_an_older_router_is_read_with_the_ids_it_reported_then(tmp_path):
+    """An older router stored a digest's key alone (and reported its part after the scope as the id)."""
+    path = tmp_path / "state.sqlite"
+    old = sqlite3.connect(str(path))
+    old.execute("CREATE TABLE history (hash TEXT PRIMARY KEY, key TEXT, expires_at REAL)")
+    old.execute("INSERT INTO history VALUES ('digest', 'public:abc', ?)", (time.time() + 60,))
+    old.commit()
+    old.close()
+    table = ConversationTable(ttl_s=60, max_entries=10, state_path=path)
+    assert run(table.find_history(["digest"])) == ("public:abc", "abc")
+    run(table.remember_history("next", "public:abc", "derived-x"))
+    run(table.close())
+    assert run(ConversationTable(60, 10, path).find_history(["next"])) == ("public:abc", "derived-x")
 
 
 def test_a_history_continues_the_conversation_of_its_longest_remembered_prefix():
     table = ConversationTable(ttl_s=60, max_entries=10)
     turn1 = [{"role": "user", "content": "hi"}]
     answer = {"role": "assistant", "content": "hello"}
-    run(table.remember_history(keys.History("scope", turn1).extended(answer), "conv"))
+    run(table.remember_history(keys.History("scope", turn1).extended(answer), "scope:conv", "derived-1"))
     turn2 = keys.History("scope", [*turn1, answer, {"role": "user", "content": "more"}])
-    assert run(table.find_history(turn2.digests[:-1])) == "conv"
+    assert run(table.find_history(turn2.digests[:-1])) == ("scope:conv", "derived-1")
     other_tenant = keys.History("other", [*turn1, answer, {"role": "user", "content": "more"}])
     assert run(table.find_history(other_tenant.digests[:-1])) is None
 

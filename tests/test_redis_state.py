@@ -112,12 +112,21 @@ def test_redis_expires_an_entry_when_its_lease_or_the_conversation_ttl_ends(url)
 
 def test_history_finds_the_longest_remembered_prefix(url):
     async def scenario(table):
-        await table.remember_history("d1", "public:a")
-        await table.remember_history("d3", "public:b")
-        assert await table.find_history(["d0", "d1", "d2", "d3", "d4"]) == "public:b"
-        assert await table.find_history(["d0", "d1", "d2"]) == "public:a"
+        await table.remember_history("d1", "public:a", "a")
+        await table.remember_history("d3", "public:b", "derived-b")
+        assert await table.find_history(["d0", "d1", "d2", "d3", "d4"]) == ("public:b", "derived-b")
+        assert await table.find_history(["d0", "d1", "d2"]) == ("public:a", "a")
         assert await table.find_history(["x"]) is None
-        assert await table.find_history([f"n{i}" for i in range(1000)] + ["d1"]) == "public:a"
+        assert await table.find_history([f"n{i}" for i in range(1000)] + ["d1"]) == ("public:a", "a")
+    with_table(url, scenario)
+
+
+def test_a_history_digest_an_older_router_stored_is_read_with_the_id_it_reported_then(url):
+    """An older replica stored the key alone; during a rolling upgrade its digests still name their conversation."""
+    redis.Redis.from_url(url).set("kvturn:hist:old", "public:0123abcd", px=30_000)
+
+    async def scenario(table):
+        assert await table.find_history(["old"]) == ("public:0123abcd", "0123abcd")
     with_table(url, scenario)
 
 
@@ -126,10 +135,10 @@ def test_a_conversation_keeps_only_its_latest_history_digests(url):
 
     async def scenario(table):
         for turn in range(10):
-            await table.remember_history(f"turn-{turn}", "public:a")
+            await table.remember_history(f"turn-{turn}", "public:a", "derived-a")
         kept = [f"turn-{turn}" for turn in range(10 - HISTORY_DIGESTS_KEPT, 10)]
         assert await table.find_history(["turn-0"]) is None
-        assert all([await table.find_history([digest]) == "public:a" for digest in kept])
+        assert all([await table.find_history([digest]) == ("public:a", "derived-a") for digest in kept])
         assert len(client.keys("kvturn:hist:*")) == HISTORY_DIGESTS_KEPT
         assert 0 < client.pttl("kvturn:hist:turn-9") <= 30_000 and 0 < client.pttl("kvturn:recent:public:a") <= 30_000
         assert await table.size() == (0, HISTORY_DIGESTS_KEPT)
@@ -138,11 +147,11 @@ def test_a_conversation_keeps_only_its_latest_history_digests(url):
 
 def test_trimming_a_conversations_digests_spares_one_another_conversation_took_over(url):
     async def scenario(table):
-        await table.remember_history("shared", "public:a")
-        await table.remember_history("shared", "public:b")  # the same history, continued as b
+        await table.remember_history("shared", "public:a", "a")
+        await table.remember_history("shared", "public:b", "b")  # the same history, continued as b
         for turn in range(HISTORY_DIGESTS_KEPT):
-            await table.remember_history(f"a-{turn}", "public:a")
-        assert await table.find_history(["shared"]) == "public:b"
+            await table.remember_history(f"a-{turn}", "public:a", "a")
+        assert await table.find_history(["shared"]) == ("public:b", "b")
     with_table(url, scenario)
 
 
@@ -158,7 +167,7 @@ def test_a_stopped_redis_costs_a_turn_nothing_and_is_used_again_once_back(server
         assert await asyncio.wait_for(table.lookup("public:a"), 10 * TIMEOUT_S) == (None, UNAVAILABLE)
         assert errors == [1]
         assert not await table.put(entry("public:b"))
-        await table.remember_history("d", "public:b")
+        await table.remember_history("d", "public:b", "b")
         assert await table.find_history(["d"]) is None
         assert errors == [1]  # none of them asked Redis
         assert table.health()["healthy"] is False and table.health()["last_error"]

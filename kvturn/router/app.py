@@ -206,7 +206,8 @@ class Router:
             return None, history
         found = await self.table.find_history(history.digests[:-1])
         if found is not None:
-            return keys.ConversationKey(found.partition(":")[2], found, derived=True), history
+            key, found_id = found
+            return keys.ConversationKey(found_id, key, derived=True), history
         derived = "derived-" + history.digests[-1][:32]
         return keys.ConversationKey(derived, keys.scoped(scope, derived), derived=True), history
 

@@ -4,6 +4,10 @@ history index that names a conversation by the digest of a history it returned.
 Kept in memory, bounded (`max_entries`, oldest dropped first; expired entries swept), and with a state path
 written through to SQLite so a restarted router keeps reusing. The methods are coroutines so that a shared
 store (Redis, for many routers) can stand in for this one.
+
+A history digest names the conversation by its scoped key and by the id its client knows it by (the `derived-...`
+id of its first turn, or the id the client sent): a later turn found by its history reports that id, which
+`DELETE /v1/conversations/{id}` takes, never the scoped key.
 """
 import json
 import sqlite3
@@ -36,6 +40,11 @@ class Conversation:
         return cls(**{name: fields[name] for name in cls.__dataclass_fields__ if name in fields})
 
 
+def legacy_client_id(key: str) -> str:
+    """The client id of a history digest an older router stored without one: what it reported then."""
+    return key.partition(":")[2]
+
+
 class ConversationTable:
     def __init__(self, ttl_s: float, max_entries: int, state_path: str | Path | None = None,
                  clock: Callable[[], float] = time.time):
@@ -43,14 +52,17 @@ class ConversationTable:
         self.clock = clock  # wall clock: the state file outlives the process
         self.max_entries = max_entries
         self._entries: OrderedDict[str, Conversation] = OrderedDict()  # oldest write first
-        self._history: OrderedDict[str, tuple[str, float]] = OrderedDict()  # digest -> (key, expires_at)
+        self._history: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # digest -> (key, client id, expires)
         self._db = None
         if state_path:
             self._db = sqlite3.connect(str(state_path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS conversations (key TEXT PRIMARY KEY, decode_url TEXT, "
                              "kv_params TEXT, expires_at REAL, extra TEXT)")
-            self._db.execute("CREATE TABLE IF NOT EXISTS history (hash TEXT PRIMARY KEY, key TEXT, expires_at REAL)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS history (hash TEXT PRIMARY KEY, key TEXT, expires_at REAL, "
+                             "client_id TEXT)")
+            if "client_id" not in {row[1] for row in self._db.execute("PRAGMA table_info(history)")}:
+                self._db.execute("ALTER TABLE history ADD COLUMN client_id TEXT")  # a file of an older router
             self._load()
 
     def _load(self) -> None:
@@ -64,8 +76,9 @@ class ConversationTable:
             self._entries[key] = Conversation(key, url, json.loads(params), expires, extra.get("order", 0),
                                               extra.get("prompt_token_ids"), extra.get("history_bytes", 0),
                                               extra.get("stored_at", 0.0))
-        for digest, key, expires in self._db.execute("SELECT hash, key, expires_at FROM history ORDER BY expires_at"):
-            self._history[digest] = (key, expires)
+        for digest, key, expires, client_id in self._db.execute("SELECT hash, key, expires_at, client_id FROM history "
+                                                                "ORDER BY expires_at"):
+            self._history[digest] = (key, client_id or legacy_client_id(key), expires)
 
     async def lookup(self, key: str) -> tuple[Conversation | None, str | None]:
         """The live entry, its lease's time left counted down, or None and why: "expired" when the lease ran out
@@ -108,29 +121,31 @@ class ConversationTable:
         if self._db:
             self._db.execute("DELETE FROM conversations WHERE key = ?", (key,))
 
-    async def remember_history(self, digest: str, key: str) -> None:
-        """A later turn whose history has this digest as a prefix continues `key`."""
+    async def remember_history(self, digest: str, key: str, client_id: str) -> None:
+        """A later turn whose history has this digest as a prefix continues `key`, which its client calls
+        `client_id`."""
         expires = self.clock() + self.ttl_s
         self._history.pop(digest, None)
-        self._history[digest] = (key, expires)
+        self._history[digest] = (key, client_id, expires)
         while len(self._history) > self.max_entries:
             oldest = next(iter(self._history))
             self._forget_history(oldest)
         if self._db:
-            self._db.execute("INSERT OR REPLACE INTO history VALUES (?, ?, ?)", (digest, key, expires))
+            self._db.execute("INSERT OR REPLACE INTO history (hash, key, expires_at, client_id) VALUES (?, ?, ?, ?)",
+                             (digest, key, expires, client_id))
 
     def _forget_history(self, digest: str) -> None:
         del self._history[digest]
         if self._db:
             self._db.execute("DELETE FROM history WHERE hash = ?", (digest,))
 
-    async def find_history(self, digests: list[str]) -> str | None:
-        """The conversation of the longest remembered prefix among `digests` (shortest first)."""
+    async def find_history(self, digests: list[str]) -> tuple[str, str] | None:
+        """(key, client id) of the conversation of the longest remembered prefix among `digests` (shortest first)."""
         now = self.clock()
         for digest in reversed(digests):
             found = self._history.get(digest)
-            if found is not None and found[1] > now:
-                return found[0]
+            if found is not None and found[2] > now:
+                return found[0], found[1]
         return None
 
     async def sweep(self) -> None:
@@ -138,7 +153,7 @@ class ConversationTable:
         now = self.clock()
         for key in [k for k, e in self._entries.items() if e.expires_at <= now]:
             self._drop(key)
-        for digest in [d for d, (_, expires) in self._history.items() if expires <= now]:
+        for digest in [d for d, (_, _, expires) in self._history.items() if expires <= now]:
             self._forget_history(digest)
 
     async def size(self) -> tuple[int, int]:

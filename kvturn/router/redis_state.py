@@ -3,7 +3,8 @@
 Same interface as `ConversationTable`. A conversation is a hash `kvturn:conv:{key}` = {order, entry} that Redis
 expires when its lease or the conversation TTL ends, whichever is first. A put is a compare-and-set on `order` in
 one script, so a replica that finishes an older turn late never overwrites a newer lease. A history digest is a key
-`kvturn:hist:{digest}` naming its conversation, with the conversation TTL; each conversation keeps only its latest
+`kvturn:hist:{digest}` naming its conversation (a JSON pair: its key and the id its client knows it by), with the
+conversation TTL; each conversation keeps only its latest
 few (a retried or regenerated turn still finds it), so the keys follow the live conversations, not the turns.
 
 Redis is an optimisation like every reuse path: when it cannot be reached, lookups miss, writes are dropped, turns
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 
 from kvturn.redis_client import ERRORS, connect
-from kvturn.router.conversations import Conversation
+from kvturn.router.conversations import Conversation, legacy_client_id
 from kvturn.router.lease_time import lease_end, with_time_left
 
 UNAVAILABLE = "state_unavailable"
@@ -50,6 +51,17 @@ redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return 1
 """
+
+
+def conversation_named(value: str) -> tuple[str, str]:
+    """(key, client id) of a history digest's value; an older router's value is the key alone."""
+    try:
+        key, client_id = json.loads(value)
+        if isinstance(key, str) and isinstance(client_id, str):
+            return key, client_id
+    except (ValueError, TypeError):
+        pass
+    return value, legacy_client_id(value)
 
 
 class RedisConversationTable:
@@ -132,23 +144,26 @@ class RedisConversationTable:
     async def drop(self, key: str) -> None:
         await self._call(lambda: self.redis.delete(self._conversation_prefix + key))
 
-    async def remember_history(self, digest: str, key: str) -> None:
-        """A later turn whose history has this digest as a prefix continues `key`."""
+    async def remember_history(self, digest: str, key: str, client_id: str) -> None:
+        """A later turn whose history has this digest as a prefix continues `key`, which its client calls
+        `client_id`."""
         ttl_ms = int(self.ttl_s * 1000)
+        named = json.dumps([key, client_id])  # the same for every digest of the conversation (the script compares)
         await self._call(lambda: self._remember(keys=[self._digest_prefix + digest, self._recent_prefix + key],
-                                                args=[key, digest, ttl_ms, HISTORY_DIGESTS_KEPT, self._digest_prefix]))
+                                                args=[named, digest, ttl_ms, HISTORY_DIGESTS_KEPT, self._digest_prefix]))
 
-    async def find_history(self, digests: list[str]) -> str | None:
-        """The conversation of the longest remembered prefix among `digests` (shortest first); longest asked first."""
+    async def find_history(self, digests: list[str]) -> tuple[str, str] | None:
+        """(key, client id) of the conversation of the longest remembered prefix among `digests` (shortest first);
+        longest asked first."""
         for end in range(len(digests), 0, -MGET_CHUNK):
             chunk = digests[max(0, end - MGET_CHUNK):end]
             names = [self._digest_prefix + digest for digest in chunk]
             found = await self._call(lambda names=names: self.redis.mget(names))
             if found is _FAILED:
                 return None
-            for key in reversed(found):
-                if key is not None:
-                    return key
+            for named in reversed(found):
+                if named is not None:
+                    return conversation_named(named)
         return None
 
     async def sweep(self) -> None:

@@ -230,6 +230,6 @@ class Turn(Streaming):
 
     async def remember_answer(self, answer: str | None) -> None:
         """Name the conversation by its history with this answer, so a client resending it finds the lease."""
-        if self.history is not None and answer is not None:
+        if self.history is not None and self.conversation is not None and answer is not None:
             digest = self.history.extended({"role": "assistant", "content": answer})
-            await self.router.table.remember_history(digest, self.key)
+            await self.router.table.remember_history(digest, self.key, self.conversation.client_id)
