@@ -56,8 +56,8 @@ def command_line() -> str:
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call drowns what matters
+    from kvturn import logs
+    logs.setup(level)
 
 
 @app.command("make-model")
@@ -220,7 +220,8 @@ def serve(
     log_dir.mkdir(parents=True, exist_ok=True)
     setup_logging("info")
     own_log = logging.FileHandler(log_dir / "serve.log")
-    own_log.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    from kvturn.logs import FORMAT, OneLineFormatter
+    own_log.setFormatter(OneLineFormatter(FORMAT))
     logging.getLogger().addHandler(own_log)
     decode_args += ["--retained-host-mb", str(retained_host_mb)] if retained_host_mb else []
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,

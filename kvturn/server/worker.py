@@ -144,7 +144,7 @@ class Worker:
                 info = await self.peers.agent_info(address)
                 await self.async_engine.call(lambda: self.connector.nixl.add_peer(info))
             except Exception as exc:  # an optimisation only: the first read connects if this did not
-                log.info("could not connect back to peer %s: %r", address, exc)
+                log.info("could not connect back to peer %r: %r", address, exc)
             finally:
                 self._connecting.discard(address)
 
@@ -171,13 +171,13 @@ class Worker:
         try:
             peer = nixl.peers.get(info["engine_id"]) or await self.async_engine.call(lambda: nixl.add_peer(info))
         except LayoutMismatch as exc:
-            log.error("refusing peer %s: %s", ref.address, exc)
+            log.error("refusing peer %r: %s", ref.address, exc)
             return policy.LAYOUT_MISMATCH
         except ValueError as exc:
-            log.warning("peer %s sent malformed agent info: %s", ref.address, exc)
+            log.warning("peer %r sent malformed agent info: %s", ref.address, exc)
             return policy.BAD_PEER_REPLY
         except Exception:
-            log.warning("NIXL handshake with %s failed", ref.address, exc_info=True)
+            log.warning("NIXL handshake with %r failed", ref.address, exc_info=True)
             return policy.PEER_UNREACHABLE
         kind = PIN if prefilled_for_us else LEASE
         if vouched and self.peers.record_is_bound(ref, kind) and record_is_current(ref.record, kind, peer):
@@ -224,7 +224,7 @@ class Worker:
             if connector is None:
                 declined = policy.PEER_UNREACHABLE
             elif not self.peers.may_contact(plan.remote, caller_has_secret):
-                log.warning("request %s named peer %s without the cluster secret; computing instead", request_id,
+                log.warning("request %s named peer %r without the cluster secret; computing instead", request_id,
                             plan.remote.address)
                 declined = policy.UNTRUSTED_PEER
                 plan = kv_params.KVPlan(plan.prefill_for_remote_decode, None)  # nothing to release there either
