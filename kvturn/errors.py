@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvturn.config import LOG_FILE_ENV
 
@@ -95,6 +96,22 @@ def _has_lone_surrogate(value) -> bool:
     return False
 
 
+async def read_body(request: Request, max_mb: float) -> bytes:
+    """The request's body, refused (413) past `max_mb` MiB before it is held: at once when its Content-Length says
+    so, else as soon as what came (a chunked body) passes the cap; the server discards the rest."""
+    limit = int(max_mb * 2**20)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"the request body is over {max_mb:g} MiB", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the request body is over {max_mb:g} MiB", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_json_object(raw: bytes) -> dict:
     """A request body as a JSON object; BadRequest for anything else (NaN and Infinity included, which
     Python's json accepts and no other JSON parser does, and nesting deeper than any API needs)."""
@@ -131,9 +148,15 @@ def install_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     async def bad_request(request: Request, exc: BadRequest):
         return error_response(exc.status, str(exc), exc.param)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect):
+        """A client that hangs up while sending its body is not our error: one line, and an answer nobody reads."""
+        logger.info("client left during its request body: %s %r", request.method, request.url.path)
+        return error_response(499, "the client closed the connection before its request body was complete")
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
         request_id = uuid.uuid4().hex
-        logger.error("unhandled error in %s %s (request %s)", request.method, request.url.path, request_id,
+        logger.error("unhandled error in %s %r (request %s)", request.method, request.url.path, request_id,
                      exc_info=exc)
         return error_response(500, internal_error_message(f"internal error {type(exc).__name__}", request_id))

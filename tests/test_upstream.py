@@ -1,11 +1,11 @@
 """The router's HTTP client (router/upstream.py) against a real socket server that misbehaves on purpose: every way
-a worker can fail to answer must reach the turn as `Unreachable`, and a long streamed line (a lease record for a
-long prompt) must pass whole."""
+a worker can fail to answer must reach the turn as `Unreachable` (and silence once connected as its kind
+`TimedOut`: slow, not dead), and a long streamed line (a lease record for a long prompt) must pass whole."""
 import asyncio
 
 import pytest
 
-from kvturn.router.upstream import Unreachable, Upstream
+from kvturn.router.upstream import TimedOut, Unreachable, Upstream
 
 LONG_LINE = b"data: " + b"7" * 300_000  # over aiohttp's default limit (128 KiB)
 
@@ -61,23 +61,35 @@ def test_long_streamed_line_passes_whole():
     assert run(with_client(test)) == [LONG_LINE.decode(), "", "data: [DONE]", ""]
 
 
-def test_refused_connection_is_unreachable():
+def test_refused_connection_is_unreachable_not_a_timeout():
     async def test(client):
         server, url = await serve(b"")
         server.close()
         await server.wait_closed()
         await client.post(url + "/v1/completions", b"{}")
-    with pytest.raises(Unreachable):
+    with pytest.raises(Unreachable) as failure:
         run(with_client(test))
+    assert not isinstance(failure.value, TimedOut)
 
 
-def test_body_cut_short_is_unreachable():
+def test_body_cut_short_is_unreachable_not_a_timeout():
     async def test(client):
         server, url = await serve(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n{\"partial\":")
         async with server:
             await client.post(url + "/v1/completions", b"{}")
-    with pytest.raises(Unreachable):
+    with pytest.raises(Unreachable) as failure:
         run(with_client(test))
+    assert not isinstance(failure.value, TimedOut)
+
+
+def test_a_connection_reset_before_any_answer_is_unreachable_not_a_timeout():
+    async def test(client):
+        server, url = await serve(b"")  # reads the request, then hangs up without a word
+        async with server:
+            await client.post(url + "/v1/completions", b"{}")
+    with pytest.raises(Unreachable) as failure:
+        run(with_client(test))
+    assert not isinstance(failure.value, TimedOut)
 
 
 def test_stream_cut_short_is_unreachable():
@@ -96,12 +108,15 @@ def test_stream_cut_short_is_unreachable():
         run(with_client(test))
 
 
-def test_silence_past_the_timeout_is_unreachable():
+@pytest.mark.parametrize("answer", [b"", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{"])
+def test_silence_past_the_timeout_once_connected_is_a_timeout(answer):
+    """Before the status line (a whole answer being computed) or within the body: the worker is at work, or stuck;
+    which of the two is for its health probe to say, not for this call."""
     async def test(client):
-        server, url = await serve(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n{", close_after=False)
+        server, url = await serve(answer, close_after=False)
         async with server:
             await client.post(url + "/v1/completions", b"{}")
-    with pytest.raises(Unreachable):
+    with pytest.raises(TimedOut):
         run(with_client(test, timeout_s=0.3))
 
 
@@ -135,7 +150,7 @@ def test_worker_that_stops_reading_the_request_is_unreachable():
             finally:
                 elapsed = asyncio.get_running_loop().time() - started
         return elapsed
-    with pytest.raises(Unreachable):
+    with pytest.raises(TimedOut):
         run(asyncio.wait_for(with_client(test, timeout_s=0.5), 20))
 
 

@@ -16,17 +16,18 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvturn.config import RouterConfig, is_redis_url
-from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
+from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.registry import WorkerRegistry
 from kvturn.router import keys, sessions
+from kvturn.router.disconnect import unless_client_leaves
 from kvturn.router.conversations import ConversationTable
 from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
 from kvturn.router.turn import Turn
-from kvturn.router.upstream import Unreachable, Upstream
+from kvturn.router.upstream import TimedOut, Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_workers import VLLMWorkers
 from kvturn.router.work_clock import IdleClock, WorkClock
@@ -243,6 +244,8 @@ def create_app(config: RouterConfig) -> FastAPI:
             try:
                 response = await router.http.get(f"{worker.url}/v1/models")
                 return Response(response.content, response.status, media_type="application/json")
+            except TimedOut:
+                continue  # busy, not dead: its health probe says which
             except Unreachable:
                 router.decode.mark_dead(worker)
         return error_response(503, "no decode worker is available")
@@ -262,10 +265,12 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     async def turn(request: Request, path: str, chat: bool):
         scope = router.caller_scope(request)
-        raw = await request.body()
+        raw = await read_body(request, config.max_body_mb)
         work = WorkClock()  # the router's own work on the turn, from here to its answer (vLLM turns report it)
-        if len(raw) > config.max_body_mb * 2**20:
-            raise BadRequest(f"the request body is over {config.max_body_mb} MiB", status=413)
+        return await unless_client_leaves(request, run_turn(raw, work, request, scope, path, chat),
+                                          router.metrics.requests.labels("client_left").inc)
+
+    async def run_turn(raw: bytes, work: WorkClock, request: Request, scope: str, path: str, chat: bool):
         body = parse_json_object(raw)
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read

@@ -16,7 +16,7 @@ from kvturn.errors import error_body
 from kvturn.router import fast_json
 from kvturn.router.answers import DecodeAnswer, choice_text
 from kvturn.router.first_token import FirstToken, FirstTokenMismatch
-from kvturn.router.upstream import Stream, Unreachable
+from kvturn.router.upstream import Stream, TimedOut, Unreachable
 from kvturn.router.workers import Claim
 
 log = logging.getLogger("kvturn.router")
@@ -139,6 +139,8 @@ class Streaming:
                 event = b"data: %s\n\n" % fast_json.dumps(chunk)
                 self.work.pause()
                 yield event
+        except TimedOut:
+            yield stream_error(b"", 504, f"the decode worker sent nothing for {router.config.upstream_timeout_s:g} s")
         except (Unreachable, json.JSONDecodeError) as exc:
             log.warning("decode worker %s failed mid-stream: %s", worker_url, exc)
             yield stream_error(b"", 503)

@@ -12,7 +12,7 @@ from kvturn.router.answers import DecodeAnswer, choice_text
 from kvturn.router.conversations import Conversation
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.streaming import Streaming
-from kvturn.router.upstream import Reply, Stream, Unreachable
+from kvturn.router.upstream import Reply, Stream, TimedOut, Unreachable
 from kvturn.router.work_clock import WorkClock
 from kvturn.router.workers import Claim, UpstreamError, WorkerState
 
@@ -24,6 +24,12 @@ def one_token(body: dict) -> dict:
     if "max_completion_tokens" in p_body:
         p_body["max_completion_tokens"] = 1
     return p_body
+
+
+def timed_out(router, role: str) -> Response:
+    """A worker had the turn but sent nothing for the upstream timeout: slow, not dead (its health probe decides
+    that), so the turn fails here rather than run again elsewhere, and the worker stays in the rotation."""
+    return error_response(504, f"the {role} worker sent nothing for {router.config.upstream_timeout_s:g} s")
 
 
 class Turn(Streaming):
@@ -58,7 +64,7 @@ class Turn(Streaming):
         try:
             self.prefill, self.prefill_url = await self.run_prefill()
         except UpstreamError as exc:
-            router.metrics.requests.labels("prefill_error").inc()
+            router.metrics.requests.labels(exc.outcome).inc()
             return exc.response
         await backend.count_reuse(missed_because)
         return await self.decode(backend.decode_body())
@@ -92,6 +98,8 @@ class Turn(Streaming):
             with router.prefill.claim(worker, backend.prefill_work_ms) as claim:
                 try:
                     response = await self.waiting(router.http.post(url, content))
+                except TimedOut:
+                    raise UpstreamError(timed_out(router, "prefill"), "prefill_timeout") from None
                 except Unreachable:
                     router.prefill.mark_dead(worker)
                     tried.add(worker.url)
@@ -144,6 +152,10 @@ class Turn(Streaming):
             try:
                 url, content = self.backend.request(worker.url + self.path, d_body)
                 response = await self.waiting(router.http.open(url, content))
+            except TimedOut:
+                claim.release()
+                router.metrics.requests.labels("decode_timeout").inc()
+                return timed_out(router, "decode")
             except Unreachable:
                 claim.release()
                 router.decode.mark_dead(worker)
@@ -181,6 +193,9 @@ class Turn(Streaming):
             content = await self.waiting(response.read())
             claim.work_done()
             return claim.worker, content
+        except TimedOut:
+            self.router.metrics.requests.labels("decode_timeout").inc()
+            return timed_out(self.router, "decode")
         except Unreachable:
             self.router.metrics.requests.labels("decode_error").inc()
             return error_response(503, "the decode worker failed before its answer was complete")

@@ -7,7 +7,9 @@ turns), the router's process spent 3.1 ms of CPU per non-streamed turn with aioh
 Every way a worker can fail to answer reaches the turn as one exception, `Unreachable`: no connection, a
 redirect (never followed: it would carry the cluster secret and the history to another host), a broken or
 cut-off reply, a line past `MAX_LINE`, or `timeout_s` without progress, whether the worker stops reading the
-request or stops sending its answer.
+request or stops sending its answer. The last is `TimedOut`, a kind of it: a worker that took the request and
+is still at work on it (a long prompt, a long answer) is slow, not dead, and only its health probe says
+whether it is alive.
 """
 import asyncio
 from collections.abc import AsyncIterator
@@ -25,6 +27,17 @@ BODY_CHUNK = 256 << 10  # a request body is written this much at a time, each pi
 class Unreachable(Exception):
     """The worker did not answer: no connection, a redirect, a broken or cut-off reply, or no progress within
     the timeout."""
+
+
+class TimedOut(Unreachable):
+    """The worker was connected to and had the request, but sent nothing for the timeout."""
+
+
+def _failure(exc: BaseException) -> Unreachable:
+    """What a failure of the HTTP client means: a timeout once connected (not the connect's own) is TimedOut."""
+    if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return TimedOut(f"no progress within the timeout ({exc!r})")
+    return Unreachable(repr(exc))
 
 
 @dataclass(slots=True)
@@ -48,7 +61,7 @@ class Stream:
         try:
             return await self._response.read()
         except _FAILURES as exc:
-            raise Unreachable(repr(exc)) from exc
+            raise _failure(exc) from exc
 
     async def lines(self) -> AsyncIterator[str]:
         """The body's lines, decoded, without their line ends. Split here rather than by aiohttp, whose limit on a
@@ -69,7 +82,7 @@ class Stream:
                 if len(pending) > MAX_LINE:
                     raise Unreachable(f"the worker sent a line longer than {MAX_LINE} bytes")
         except _FAILURES as exc:
-            raise Unreachable(repr(exc)) from exc
+            raise _failure(exc) from exc
         if pending:
             yield pending.decode().rstrip("\r")
 
@@ -150,7 +163,7 @@ class Upstream:
                 finally:
                     watch.done()
         except _FAILURES as exc:
-            raise Unreachable(repr(exc)) from exc
+            raise _failure(exc) from exc
         if 300 <= response.status < 400:
             response.close()
             raise Unreachable(f"the worker answered a redirect ({response.status}), which is not followed")
@@ -163,7 +176,7 @@ class Upstream:
         try:
             return Reply(response.status, await response.read(), response.headers.get("Content-Type", ""))
         except _FAILURES as exc:
-            raise Unreachable(repr(exc)) from exc
+            raise _failure(exc) from exc
         finally:
             response.release()
 

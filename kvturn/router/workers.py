@@ -13,9 +13,9 @@ log = logging.getLogger("kvturn.router")
 
 
 class UpstreamError(Exception):
-    """A worker's answer (or the lack of any worker) to pass on to the client as it is."""
-    def __init__(self, response):
-        self.response = response
+    """A worker's answer (or the lack of any worker) to pass on to the client as it is, and the outcome it counts."""
+    def __init__(self, response, outcome: str = "prefill_error"):
+        self.response, self.outcome = response, outcome
 
 
 @dataclass(slots=True)
