@@ -82,6 +82,9 @@ def worker(
     served_model_name: Optional[str] = option(WorkerConfig, "served_model_name"),
     advertise_host: Optional[str] = option(WorkerConfig, "advertise_host"),
     max_logprobs: int = option(WorkerConfig, "max_logprobs"),
+    default_max_output_tokens: int = option(WorkerConfig, "default_max_output_tokens"),
+    unread_stream_timeout_s: float = option(WorkerConfig, "unread_stream_timeout_s"),
+    max_body_mb: int = option(WorkerConfig, "max_body_mb"),
     register: Optional[str] = option(WorkerConfig, "register_url", "--register"),
     register_ttl_s: float = option(WorkerConfig, "register_ttl_s"),
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
@@ -123,9 +126,9 @@ def worker(
                       cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
-                   max_logprobs=max_logprobs, register_url=register, register_ttl_s=register_ttl_s, calibrate=calibrate,
-                   engine=engine,
-                   connector=connector)
+                   max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,
+                   unread_stream_timeout_s=unread_stream_timeout_s, max_body_mb=max_body_mb, register_url=register,
+                   register_ttl_s=register_ttl_s, calibrate=calibrate, engine=engine, connector=connector)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
 

@@ -117,6 +117,12 @@ class WorkerConfig:
     served_model_name: str | None = setting(None, "model name in the API (default: the directory name)")
     bidirectional: bool = setting(False, "decode retains finished KV for the next turn's prefill to read back")
     max_logprobs: int = setting(20, "most top_logprobs a request may ask for")
+    default_max_output_tokens: int = setting(8192, "an answer's length when its request gives no max_tokens, tokens "
+                                                   "(less where the context ends first)")
+    unread_stream_timeout_s: float = setting(60.0, "end a streamed answer whose client has left its oldest unsent "
+                                                   "output untaken this long (it stopped reading), s")
+    max_body_mb: int = setting(64, "largest request body accepted, MiB (above the router's --max-body-mb: the "
+                                   "router adds a lease record to what it forwards)")
     register_url: str | None = setting(None, "redis://HOST:PORT/DB where this worker announces itself to routers "
                                              "started with --discover (as http://ADVERTISE_HOST:PORT)")
     register_ttl_s: float = setting(10.0, "a registration not renewed for this long expires (renewed three times "
@@ -131,6 +137,7 @@ class WorkerConfig:
         _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
         _check(0 < self.port < 65536, f"port must be a TCP port, got {self.port}")
         _check(self.max_logprobs >= 0, "max_logprobs must be >= 0")
+        _positive(self, "default_max_output_tokens", "unread_stream_timeout_s", "max_body_mb")
         _check(self.register_url is None or is_redis_url(self.register_url),
                f"register_url must be a redis:// URL, got {self.register_url!r}")
         _positive(self, "register_ttl_s")

@@ -128,6 +128,11 @@ class LLMEngine:
             except queue.Empty:
                 return
 
+    def tick(self) -> None:
+        """Housekeeping while no step runs: the connector's leases and pins still expire on time."""
+        if self.connector:
+            self.connector.poll()
+
     def step(self) -> bool:
         """One scheduling round and forward pass; False when nothing could run."""
         if self.connector:

@@ -1,6 +1,7 @@
 """Tokenizer and chat template of a Hugging Face model directory."""
 import json
 import re
+import threading
 from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
@@ -12,6 +13,8 @@ from tokenizers import Tokenizer
 
 SEGMENT_CACHE_MIN_CHARS = 256  # shorter segments encode faster than a cache pays for
 SEGMENT_CACHE_MAX_CHARS = 32 * 2**20
+COUNT_PIECE_CHARS = 64 * 2**10  # a text too long is found piece by piece, stopping at the piece that passes the limit
+PIECE_EDGE_TOKENS = 8  # the most tokens a cut at whitespace can add to a count (pieces are tokenized apart)
 
 
 class ChatTokenizer:
@@ -32,15 +35,21 @@ class ChatTokenizer:
         self._special_ids = {t: self.tokenizer.token_to_id(t) for t in specials}
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._segment_chars = 0
+        self._segments_lock = threading.Lock()  # workers tokenize on several threads at once
         # The longest text one token can stand for (its vocabulary entry's length, an upper bound): a text longer
         # than this many times a context cannot fit it, whatever it tokenizes to.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def _ids(self, text: str) -> list[int]:
+        """The tokenizer's own ids of `text`, tokenized without the GIL (`encode_batch` lets it go, `encode` holds
+        it throughout: seconds for a few MB), so that a worker's other threads (its event loop) go on meanwhile."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`. The text between special tokens is encoded independently by the tokenizer
         itself, so each such segment is cached: an agent resends the same long history every turn."""
         if self._special_split is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self._ids(text)
         ids: list[int] = []
         for piece in self._special_split.split(text):
             if piece in self._special_ids:
@@ -50,18 +59,37 @@ class ChatTokenizer:
         return ids
 
     def _encode_segment(self, segment: str) -> list[int]:
-        cached = self._segments.get(segment)
-        if cached is not None:
-            self._segments.move_to_end(segment)
-            return cached
-        ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+        with self._segments_lock:
+            cached = self._segments.get(segment)
+            if cached is not None:
+                self._segments.move_to_end(segment)
+                return cached
+        ids = self._ids(segment)
         if len(segment) >= SEGMENT_CACHE_MIN_CHARS:
-            self._segments[segment] = ids
-            self._segment_chars += len(segment)
-            while self._segment_chars > SEGMENT_CACHE_MAX_CHARS:
-                evicted, _ = self._segments.popitem(last=False)
-                self._segment_chars -= len(evicted)
+            with self._segments_lock:
+                if segment not in self._segments:
+                    self._segments[segment] = ids
+                    self._segment_chars += len(segment)
+                while self._segment_chars > SEGMENT_CACHE_MAX_CHARS:
+                    evicted, _ = self._segments.popitem(last=False)
+                    self._segment_chars -= len(evicted)
         return ids
+
+    def exceeds(self, text: str, most_tokens: int) -> bool:
+        """Whether `text` surely makes more than `most_tokens` tokens, found piece by piece (cut at whitespace) and
+        stopping at the piece that passes the limit: a text far too long costs the tokenizer about as much as one
+        that fits, not its whole length. Each cut may add a few tokens to the count, which the limit allows for."""
+        counted, start, pieces = 0, 0, 0
+        while start < len(text):
+            end = min(start + COUNT_PIECE_CHARS, len(text))
+            if end < len(text):
+                space = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+                end = space if space > start else end
+            counted, pieces = counted + len(self._ids(text[start:end])), pieces + 1
+            if counted > most_tokens + pieces * PIECE_EDGE_TOKENS:
+                return True
+            start = end
+        return False
 
     def count(self, text: str) -> int:
         """How many tokens `text` makes on its own, nothing cached: what a router needs to price a turn (a special

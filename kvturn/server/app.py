@@ -16,9 +16,10 @@ from pydantic import BaseModel, ValidationError
 
 from kvturn.config import WorkerConfig
 from kvturn.engine import step_history
+from kvturn.engine.async_engine import NotRead
 from kvturn.engine.sequence import Sequence
-from kvturn.errors import (BadRequest, error_response, install_error_handlers, internal_error_message,
-                           parse_json_object)
+from kvturn.errors import (BadRequest, error_body, error_response, install_error_handlers, internal_error_message,
+                           parse_json_object, read_body)
 from kvturn.kv_transfer import side_channel
 from kvturn.kv_transfer.connector import ConnectorStats
 from kvturn.registry import run_registration
@@ -40,8 +41,8 @@ def validated(body: dict, model: type[BaseModel]):
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
-async def parse(request: Request, model: type[BaseModel]):
-    return validated(parse_json_object(await request.body()), model)
+async def parse(request: Request, model: type[BaseModel], max_body_mb: float):
+    return validated(parse_json_object(await read_body(request, max_body_mb)), model)
 
 
 def conversation_key(body, request: Request) -> str | None:
@@ -102,10 +103,16 @@ class Generation:
             body["kv_transfer_params"] = kv
         return Response(orjson.dumps(body), media_type="application/json")  # P's answer carries ~1,700 ints at 8k
 
+    def not_read(self) -> None:
+        """The client stopped reading the stream: its sequence was ended rather than left to pile up output."""
+        self.worker.metrics.streams_not_read.inc()
+        log.info("request %s ended: its client took nothing of its stream for %g s", self.base["id"],
+                 self.worker.config.unread_stream_timeout_s)
+
     async def stream(self, include_usage: bool):
         worker, seq, chat = self.worker, self.seq, self.chat
         chunk_base = {**self.base, "object": "chat.completion.chunk" if chat else "text_completion"}
-        outputs = worker.async_engine.generate(seq)
+        outputs = worker.async_engine.generate(seq, worker.config.unread_stream_timeout_s, self.not_read)
         try:
             if chat:
                 first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -129,6 +136,8 @@ class Generation:
                 elif delta or logprobs:
                     yield openai.sse({**chunk_base, "choices": [openai.choice(chat, delta, None, True, logprobs)]})
             yield "data: [DONE]\n\n"
+        except NotRead as exc:  # should the client read again after all
+            yield openai.sse(error_body(408, f"the stream was ended: {exc}"))
         except Exception as exc:  # the engine died mid-stream: tell the client instead of hanging up silently
             log.exception("stream of request %s failed", self.base["id"])
             message = internal_error_message(f"generation failed: {type(exc).__name__}", self.base["id"])
@@ -205,34 +214,37 @@ def create_app(config: WorkerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        """vLLM's endpoint: the token ids a prompt or a chat renders to, as this worker computes them."""
-        body = parse_json_object(await request.body())
+        """vLLM's endpoint: the token ids a prompt or a chat renders to, as this worker computes them (a text
+        longer than the context is refused as a prompt would be, and tokenized off the event loop)."""
+        body = parse_json_object(await read_body(request, config.max_body_mb))
         if body.get("model") is not None and body["model"] != worker.model_name:
             raise BadRequest(f"The model `{body['model']}` does not exist.", status=404, param="model")
         if "messages" in body:
-            chat = validated(body, ChatCompletionRequest)
-            tokens = worker.prompt_ids(chat)
+            tokens = await worker.off_loop(worker.prompt_ids, validated(body, ChatCompletionRequest))
         elif isinstance(body.get("prompt"), str):
-            tokens = worker.tokenizer.encode(body["prompt"])
+            tokens = await worker.off_loop(worker.encode_prompt, body["prompt"], "prompt")
         else:
             raise BadRequest("give prompt (a string) or messages", param="prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": worker.engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        tokens = parse_json_object(await request.body()).get("tokens")
+        tokens = parse_json_object(await read_body(request, config.max_body_mb)).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise BadRequest("tokens must be a list of token ids", param="tokens")
+        if len(tokens) > worker.engine.max_model_len:
+            raise BadRequest(f"at most {worker.engine.max_model_len} token ids (the context), got {len(tokens)}",
+                             param="tokens")
         worker.check_token_ids(tokens, "tokens")
-        return {"prompt": worker.tokenizer.decode(tokens)}
+        return {"prompt": await worker.off_loop(worker.tokenizer.decode, tokens)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(await parse(request, CompletionRequest), request, chat=False)
+        return await generate(await parse(request, CompletionRequest, config.max_body_mb), request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(await parse(request, ChatCompletionRequest), request, chat=True)
+        return await generate(await parse(request, ChatCompletionRequest, config.max_body_mb), request, chat=True)
 
     async def generate(body, request: Request, chat: bool):
         arrival = time.perf_counter()

@@ -116,5 +116,7 @@ class WorkerMetrics:
                                              "wrong or missing cluster secret", registry=self.registry)
         self.ttft = Histogram("kvturn_time_to_first_token_seconds", "Time from arrival to first token",
                               buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.streams_not_read = Counter("kvturn_streams_not_read", "Streamed requests ended because their client "
+                                        "took no output for unread_stream_timeout_s", registry=self.registry)
         self.e2e = Histogram("kvturn_request_latency_seconds", "Time from arrival to last token",
                              buckets=TTFT_BUCKETS_S, registry=self.registry)

@@ -7,6 +7,7 @@ is the colocated baseline.
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,10 @@ from kvturn.server.metrics import WorkerMetrics
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("kvturn.worker")
+PROMPT_THREADS = 4  # prompts rendered and tokenized at once, off the event loop (the tokenizer lets the GIL go)
+# English runs ~4 characters a token and code 3 to 5: a text longer than this many per token of the context is
+# counted piece by piece before it is tokenized whole, so that one far too long is refused after its first pieces.
+LIKELY_CHARS_PER_TOKEN = 8
 
 
 def record_is_current(record: dict, kind: str, peer) -> bool:
@@ -62,6 +67,7 @@ class Worker:
                                 connector_config.trusted_peers, f"{self.advertise_host}:{config.port}")
         self._background: set[asyncio.Task] = set()
         self._connecting: set[str] = set()  # peers connect_back is connecting to
+        self._prompts = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="kvturn-prompt")
         if connector_config.cluster_secret is None:
             log.warning("no cluster secret: this worker trusts any caller that can reach it with kv_transfer_params "
                         "and its side channel, as vLLM's servers trust their network. Set KVTURN_CLUSTER_SECRET "
@@ -77,6 +83,11 @@ class Worker:
         except ChatTemplateError as exc:
             raise BadRequest(str(exc), param="messages") from None
 
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on a prompt thread: rendering and tokenizing a long prompt takes seconds, during which the
+        event loop must go on answering /health, the registry's heartbeat and every other request."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, fn, *args)
+
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             return self.encode_prompt(self.chat_prompt(body.messages), "messages")
@@ -86,12 +97,16 @@ class Worker:
         return list(body.prompt)
 
     def encode_prompt(self, text: str, param: str) -> list[int]:
-        """The prompt's token ids; a text too long for any context is refused before it is tokenized, which
-        would hold the worker for seconds (tens of seconds for tens of MB)."""
+        """The prompt's token ids; a text too long for the context is refused before it is tokenized whole, which
+        takes seconds a MB: at once when even the longest tokens could not hold it, else after the pieces that
+        take its count past the context (a few hundred KB)."""
         max_model_len = self.engine.max_model_len
         if len(text) > max_model_len * self.tokenizer.max_token_chars:
             raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                              f"has {len(text)} characters, more than that many tokens can hold.", param=param)
+        if len(text) > max_model_len * LIKELY_CHARS_PER_TOKEN and self.tokenizer.exceeds(text, max_model_len):
+            raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                             f"has more than {max_model_len} tokens.", param=param)
         return self.tokenizer.encode(text)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -117,7 +132,7 @@ class Worker:
             raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
                              f"has {num_prompt_tokens} tokens.", param="messages")
         if max_tokens is None:
-            max_tokens = max_model_len - num_prompt_tokens
+            max_tokens = min(self.config.default_max_output_tokens, max_model_len - num_prompt_tokens)
         if num_prompt_tokens + max_tokens > max_model_len:
             raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                              f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
@@ -197,7 +212,7 @@ class Worker:
 
     async def prepare(self, body, conversation_key: str | None, caller_has_secret: bool, request_id: str,
                       arrival: float) -> tuple[Sequence, kv_params.KVPlan]:
-        prompt = self.prompt_ids(body)
+        prompt = await self.off_loop(self.prompt_ids, body)
         tokenized = time.perf_counter()
         params = self.sampling_params(body, len(prompt))
         try:
