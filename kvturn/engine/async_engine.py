@@ -19,11 +19,11 @@ class Outbox:
     """One request's outputs on their way to its caller, each with the time it came, so that a caller that stopped
     taking them (a stream whose client does not read) is noticed by how long the oldest has waited."""
 
-    def __init__(self):
+    def __init__(self, on_not_read=None):
         self.items: deque = deque()
         self.ready = asyncio.Event()
         self.closed = False
-        self.on_not_read = None
+        self.on_not_read = on_not_read
 
     def put(self, item, now: float) -> None:
         self.items.append((now, item))
@@ -84,8 +84,7 @@ class AsyncEngine:
         if it ever asks again."""
         if not self.alive:
             raise RuntimeError("engine is not running")
-        outbox = Outbox()
-        outbox.on_not_read = on_not_read
+        outbox = Outbox(on_not_read)
         self._outboxes[seq.request_id] = (outbox, max_unread_s)
         seq.timing.submitted = time.perf_counter()
         self.engine.call_soon(lambda: self.engine.add_request(seq))

@@ -160,6 +160,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         if worker.async_engine.alive and worker.connector:
             await worker.async_engine.call(worker.connector.leases.release_all)
         worker.async_engine.stop()
+        worker.stop_prompt_threads()
 
     app = FastAPI(title="kvturn worker", lifespan=lifespan)
     app.state.worker = worker

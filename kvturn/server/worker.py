@@ -88,6 +88,10 @@ class Worker:
         event loop must go on answering /health, the registry's heartbeat and every other request."""
         return await asyncio.get_running_loop().run_in_executor(self._prompts, fn, *args)
 
+    def stop_prompt_threads(self) -> None:
+        """At shutdown: prompts waiting for a thread are dropped; one being tokenized ends on its own (bounded)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
+
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             return self.encode_prompt(self.chat_prompt(body.messages), "messages")
