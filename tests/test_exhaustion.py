@@ -46,12 +46,12 @@ def deployment(tiny_model_dir, tmp_path_factory):
             launch.wait_healthy(url, stack.processes[name])
         routers = {}
         for name, extra in (("impatient", ["--upstream-timeout-s", "1", "--health-interval-s", "600"]),
-                            ("shared", ["--state", redis_server.url])):
+                            ("shared", ["--state", redis_server.url])):  # /health lists workers: --expose-internals
             port = launch.free_port()
             routers[name] = f"http://127.0.0.1:{port}"
             processes.append(launch.start(["router", "--port", str(port), "--prefill", stack.urls["prefill"],
                                            "--decode", stack.urls["decode0"], "--tokenizer", str(tiny_model_dir),
-                                           *extra], logs / f"router-{name}.log", stack.env))
+                                           "--expose-internals", *extra], logs / f"router-{name}.log", stack.env))
         stack.wait_and_start_router()
         for url, process in zip(routers.values(), processes):
             launch.wait_healthy(url, process)
@@ -280,7 +280,7 @@ def test_a_newline_in_a_client_named_peer_cannot_forge_a_log_line(deployment):
     answer = httpx.post(f"{d.decode}/v1/completions", json=body, timeout=GUARD_S)
     assert answer.status_code == 200 and answer.json()["kvturn"]["reuse"] == "untrusted_peer", answer.text
     log = d.stack.log_path("decode0")
-    warned = poll(lambda: [line for line in log.read_text().splitlines() if "without the cluster secret" in line],
+    warned = poll(lambda: [line for line in log.read_text().splitlines() if "may not contact" in line],
                   "D logs the untrusted peer")
     assert forged in warned[-1]  # written on the warning's own line, escaped
     assert not any(line.startswith(forged) for line in log.read_text().splitlines())

@@ -135,7 +135,7 @@ class Streaming:
                 backend.strip_ids(chunk)
                 if backend.reports_on(chunk, finish_reason):
                     learned = self.learn_and_trace(chunk.get("kvturn"))
-                    chunk["kvturn"] = backend.report(chunk.get("kvturn"), worker_url, learned)
+                    chunk["kvturn"] = self.client_report(chunk.get("kvturn"), worker_url, learned)
                 event = b"data: %s\n\n" % fast_json.dumps(chunk)
                 self.work.pause()
                 yield event
