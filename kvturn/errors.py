@@ -17,8 +17,9 @@ from kvturn.config import LOG_FILE_ENV
 log = logging.getLogger("kvturn.errors")
 MAX_JSON_DEPTH = 64
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
-               422: "UnprocessableEntityError", 499: "ClientClosedRequest", 503: "ServiceUnavailableError"}
+               404: "NotFoundError", 405: "MethodNotAllowedError", 408: "RequestTimeoutError",
+               413: "RequestTooLargeError", 422: "UnprocessableEntityError", 499: "ClientClosedRequest",
+               503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
 
 class BadRequest(Exception):
