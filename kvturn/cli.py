@@ -5,6 +5,7 @@ from typing import Optional
 
 import typer
 
+from kvturn.bench import catalog
 from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig, SupervisorConfig,
                            WorkerConfig, default_of, help_of)
 
@@ -259,14 +260,11 @@ def serve(
 def bench(
     url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
     compare: bool = typer.Option(False, "--compare", help="launch each local deployment leg in turn and compare"),
-    scenario: str = typer.Option("sweep", help="sweep, no-reuse, resume-after-ttl, edited-history, short-turns, "
-                                               "concurrent, agent-loop, coding-agent"),
+    scenario: str = typer.Option("sweep", help=catalog.scenarios_help()),
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="JSON workload: vLLM's conversation list, "
                                                                           "its generate_conversations config, or a "
                                                                           "kvturn_synthetic config"),
-    legs: Optional[str] = typer.Option(None, help="legs to run with --compare (default: the scenario's; coding-agent: "
-                                              "pd/P-cache-off,bidir/P-cache-off,adaptive; the others: colocated,"
-                                              "pd/P-cache-on,pd/P-cache-off,bidir/P-cache-on,bidir/P-cache-off)"),
+    legs: Optional[str] = typer.Option(None, help=catalog.legs_help()),
     repeats: int = typer.Option(1, "--repeats", min=1, help="with --compare: run the legs this many times, "
                                 "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
@@ -294,7 +292,7 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import catalog, client, compare as comparison, report, spread, workload
+    from kvturn.bench import client, compare as comparison, report, spread, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -327,7 +325,7 @@ def bench(
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
     if compare:
-        chosen = chosen_legs(legs) if legs else list(spec.legs or catalog.DEFAULT_LEGS)
+        chosen = chosen_legs(legs) if legs else list(catalog.default_legs(scenario))
         runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
                                       out_dir / "logs", console, source, sessions, pin_workers)
     else:
@@ -409,7 +407,8 @@ def bench(
 def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
                                                                           "JSONL trace (kvturn router --trace-out)"),
-    scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
+    scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file: "
+                                                      + ", ".join(catalog.SCENARIOS)),
     calibration_files: list[Path] = typer.Option(..., "--calibration", metavar="FILE",
                                                  help="a kvturn bench --compare results JSON from this hardware "
                                                  "(fitted to its workers' steps in service), or a saved "
