@@ -157,6 +157,7 @@ def router(
                                               "--vllm-retain-streamed-turns/--no-vllm-retain-streamed-turns"),
     vllm_retention_lease_s: float = option(RouterConfig, "vllm_retention_lease_s"),
     trace_out: Optional[str] = option(RouterConfig, "trace_out"),
+    session_header: list[str] = option(RouterConfig, "session_headers", "--session-header"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -173,7 +174,8 @@ def router(
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
-                   vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
+                   vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None,
+                   session_headers=session_header)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
 

@@ -187,6 +187,12 @@ class RouterConfig:
     vllm_retention_lease_s: float = setting(30.0, "vLLM backend: how long decode keeps what a retention call "
                                                   "retained (its kv_lease_duration); the router forgets it "
                                                   "5 s sooner")
+    session_headers: list[str] = setting(["X-Conversation-Id", "X-Session-ID", "X-Dynamo-Session-ID",
+                                          "X-SMG-Routing-Key", "X-Correlation-ID", "x-claude-code-session-id",
+                                          "session-id"],
+                                         "request header that names a conversation (repeat for several; the "
+                                         "first one a request carries wins; the body's conversation_id beats "
+                                         "them all)")
     trace_out: str | None = setting(None, "append one JSON line per finished turn to this file (arrival time, the "
                                           "scoped conversation digest, prompt and output tokens, finish time): "
                                           "the traffic record kvturn plan reads")
@@ -208,6 +214,8 @@ class RouterConfig:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.vllm_retention_lease_s > 5, "vllm_retention_lease_s must be above 5 s")
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
+        _check(all(h and h.isascii() and ":" not in h and not any(c.isspace() for c in h)
+                   for h in self.session_headers), "a session header must be an HTTP header name")
 
 
 @dataclass(slots=True)

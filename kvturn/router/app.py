@@ -190,7 +190,7 @@ class Router:
 
     async def conversation(self, body: dict, request: Request, chat: bool, scope: str):
         """(ConversationKey or None, History or None) of a request."""
-        client_id = keys.explicit_id(body, request.headers)
+        client_id = keys.explicit_id(body, request.headers, self.config.session_headers)
         messages = body.get("messages")
         history = None
         if chat and isinstance(messages, list):
@@ -268,7 +268,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         body = parse_json_object(raw)
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
-        end_session = body.pop("end_session", None) is True  # the last turn: release its KV once answered
+        # the last turn: release its KV once answered
+        end_session = body.pop("end_session", None) is True or keys.ends_session(request.headers)
         conversation, history = await router.conversation(body, request, chat, scope)
         # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),
         # waits for one to come back within no_worker_wait_s and runs again: a restarted worker carries it over.
