@@ -133,6 +133,7 @@ class Streaming:
                     self.work.pause()
                     continue
                 backend.strip_ids(chunk)
+                backend.honest_usage(chunk.get("usage"))
                 if backend.reports_on(chunk, finish_reason):
                     learned = self.learn_and_trace(chunk.get("kvturn"))
                     chunk["kvturn"] = backend.report(chunk.get("kvturn"), worker_url, learned)

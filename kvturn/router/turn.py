@@ -206,6 +206,7 @@ class Turn(Streaming):
         await self.backend.remember(DecodeAnswer(worker.url, choice_text(choice, self.chat, delta=False), kv,
                                                  streamed=False, finish_reason=choice.get("finish_reason")))
         self.backend.strip_ids(result)
+        self.backend.honest_usage(result.get("usage"))
         learned = self.learn_and_trace(result.get("kvturn"))
         result["kvturn"] = self.backend.report(result.get("kvturn"), worker.url, learned)
         if self.want_kv and kv is not None:

@@ -299,9 +299,12 @@ class Worker:
         }
 
     def usage(self, seq: Sequence) -> dict:
+        """OpenAI's usage; cached tokens are those this request did not compute: the local prefix cache's and a
+        lease's read back, not P's blocks a decode worker read (P computed them for this very request)."""
+        pulled_from_prefill = seq.remote is not None and seq.remote.prefilled_for_us
+        cached = seq.num_cached_tokens + (0 if pulled_from_prefill else seq.num_remote_tokens)
         return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
-                "total_tokens": len(seq),
-                "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens + seq.num_remote_tokens}}
+                "total_tokens": len(seq), "prompt_tokens_details": {"cached_tokens": cached}}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
