@@ -86,6 +86,7 @@ def worker(
     register: Optional[str] = option(WorkerConfig, "register_url", "--register"),
     register_ttl_s: float = option(WorkerConfig, "register_ttl_s"),
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
+    otlp_traces_endpoint: Optional[str] = option(WorkerConfig, "otlp_traces_endpoint"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
@@ -125,7 +126,7 @@ def worker(
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, register_url=register, register_ttl_s=register_ttl_s, calibrate=calibrate,
-                   engine=engine,
+                   otlp_traces_endpoint=otlp_traces_endpoint or None, engine=engine,
                    connector=connector)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
@@ -158,6 +159,7 @@ def router(
     vllm_retention_lease_s: float = option(RouterConfig, "vllm_retention_lease_s"),
     trace_out: Optional[str] = option(RouterConfig, "trace_out"),
     session_header: list[str] = option(RouterConfig, "session_headers", "--session-header"),
+    otlp_traces_endpoint: Optional[str] = option(RouterConfig, "otlp_traces_endpoint"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -175,7 +177,7 @@ def router(
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
                    vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None,
-                   session_headers=session_header)
+                   session_headers=session_header, otlp_traces_endpoint=otlp_traces_endpoint or None)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
 

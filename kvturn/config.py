@@ -121,6 +121,9 @@ class WorkerConfig:
                                              "started with --discover (as http://ADVERTISE_HOST:PORT)")
     register_ttl_s: float = setting(10.0, "a registration not renewed for this long expires (renewed three times "
                                           "as often), s")
+    otlp_traces_endpoint: str | None = setting(None, "OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces (default: the "
+                                                       "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                                                       "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     calibrate: bool = setting(True, "time a few prefill steps at start-up (~1 s on a CPU core with the embedded "
                                     "model) and serve them at /kv/calibration: routers predict the first turns "
                                     "from this machine's speed")
@@ -187,6 +190,9 @@ class RouterConfig:
     vllm_retention_lease_s: float = setting(30.0, "vLLM backend: how long decode keeps what a retention call "
                                                   "retained (its kv_lease_duration); the router forgets it "
                                                   "5 s sooner")
+    otlp_traces_endpoint: str | None = setting(None, "OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces (default: the "
+                                                       "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                                                       "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     session_headers: list[str] = setting(["X-Conversation-Id", "X-Session-ID", "X-Dynamo-Session-ID",
                                           "X-SMG-Routing-Key", "X-Correlation-ID", "x-claude-code-session-id",
                                           "session-id"],

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvturn import tracing
 from kvturn.config import RouterConfig, is_redis_url
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object
 from kvturn.kv_transfer.params import SECRET_HEADER
@@ -26,6 +27,7 @@ from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
 from kvturn.router.turn import Turn
+from kvturn.router.turn_span import TurnSpan
 from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_workers import VLLMWorkers
@@ -89,6 +91,7 @@ class Router:
             self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
         self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
         self.trace = TraceOut(config.trace_out)
+        self.traces = tracing.Tracing.start("router", config.otlp_traces_endpoint)  # None: no OpenTelemetry
         self.http: Upstream | None = None
         self._revival: asyncio.Task | None = None  # the probe of dead workers that waiting turns share
 
@@ -106,6 +109,8 @@ class Router:
         await self.http.close()
         await self.table.close()
         self.trace.close()
+        if self.traces is not None:
+            self.traces.close()
         if self.registry:
             await self.registry.close()
 
@@ -271,6 +276,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         # the last turn: release its KV once answered
         end_session = body.pop("end_session", None) is True or keys.ends_session(request.headers)
         conversation, history = await router.conversation(body, request, chat, scope)
+        span = TurnSpan(router.traces, request.headers) if router.traces is not None else None
         # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),
         # waits for one to come back within no_worker_wait_s and runs again: a restarted worker carries it over.
         deadline = asyncio.get_running_loop().time() + config.no_worker_wait_s
@@ -279,12 +285,15 @@ def create_app(config: RouterConfig) -> FastAPI:
             backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
             if not backend.reports_own_work:
                 work = IdleClock()
-            response = await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
+            turn = Turn(router, path, chat, body, conversation, history, want_kv, work, backend, span)
+            response = await turn.run()
             if response.status_code != 503 or router.has_workers() or not await router.wait_for_workers(deadline):
                 if end_session and conversation is not None:
                     sessions.ending_after(response, router, conversation)
+                if span is not None:
+                    span.end_after(response, turn)
                 return response
-            router.metrics.retries.labels("worker_back").inc()
+            turn.retried("worker_back")
 
     sessions.mount(app, router)
     return app

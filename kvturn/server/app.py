@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvturn import tracing
 from kvturn.config import WorkerConfig
 from kvturn.engine import step_history
 from kvturn.engine.sequence import Sequence
@@ -22,7 +23,7 @@ from kvturn.errors import (BadRequest, error_response, install_error_handlers, i
 from kvturn.kv_transfer import side_channel
 from kvturn.kv_transfer.connector import ConnectorStats
 from kvturn.registry import run_registration
-from kvturn.server import openai
+from kvturn.server import openai, spans
 from kvturn.server.openai import ChatCompletionRequest, CompletionRequest
 from kvturn.server.text_stream import TextStream
 from kvturn.server.worker import Worker
@@ -54,8 +55,10 @@ def conversation_key(body, request: Request) -> str | None:
 class Generation:
     """One request's run through the engine, answered whole or as a stream."""
 
-    def __init__(self, worker: Worker, seq: Sequence, plan, chat: bool, base: dict):
+    def __init__(self, worker: Worker, seq: Sequence, plan, chat: bool, base: dict, traces=None, parent=None):
+        """`traces`: the worker's Tracing when traces are on, `parent` the context the caller's `traceparent` named."""
         self.worker, self.seq, self.plan, self.chat, self.base = worker, seq, plan, chat, base
+        self.traces, self.parent = traces, parent
         self.text = TextStream(worker.tokenizer.decode, seq.params.stop)
         self.released = [False]
         self.logprobs: list = []  # (token, logprob, [(alternative, logprob)...]) per generated token
@@ -74,6 +77,13 @@ class Generation:
         shaped = openai.completion_logprobs(entries, self.text_offset)
         self.text_offset += sum(len(token) for token, _, _ in entries)
         return shaped
+
+    def trace(self) -> None:
+        """The request's span, once it finished."""
+        if self.traces is not None:
+            worker, seq = self.worker, self.seq
+            spans.record_request(self.traces, self.parent, seq, worker.kvturn_fields(seq), worker.usage(seq),
+                                 worker.model_name, worker.config.role)
 
     def all_logprobs(self) -> dict | None:
         if self.seq.params.logprobs is None:
@@ -94,6 +104,7 @@ class Generation:
         if seq.finish_reason is None:
             return error_response(499 if seq.aborted else 500, "request did not finish")
         worker.observe(seq)
+        self.trace()
         body = {**self.base, "choices": [openai.choice(self.chat, self.text.final(), seq.finish_reason, False,
                                                        self.all_logprobs())],
                 "usage": worker.usage(seq), "kvturn": worker.kvturn_fields(seq)}
@@ -118,6 +129,7 @@ class Generation:
                 if out.finished:
                     delta += self.text.flush()
                     worker.observe(seq)
+                    self.trace()
                     chunk = {**chunk_base, "choices": [openai.choice(chat, delta, seq.finish_reason, True, logprobs)],
                              "kvturn": worker.kvturn_fields(seq)}
                     kv = worker.response_kv_params(seq)
@@ -141,6 +153,7 @@ class Generation:
 
 def create_app(config: WorkerConfig) -> FastAPI:
     worker = Worker(config)
+    traces = tracing.Tracing.start("worker" if config.role == "both" else config.role, config.otlp_traces_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -151,6 +164,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         if worker.async_engine.alive and worker.connector:
             await worker.async_engine.call(worker.connector.leases.release_all)
         worker.async_engine.stop()
+        if traces is not None:
+            traces.close()
 
     app = FastAPI(title="kvturn worker", lifespan=lifespan)
     app.state.worker = worker
@@ -241,7 +256,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         seq, plan = await worker.prepare(body, conversation_key(body, request), caller_has_secret, request_id, arrival)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": worker.model_name}
-        generation = Generation(worker, seq, plan, chat, base)
+        parent = traces.parent(request.headers) if traces is not None else None
+        generation = Generation(worker, seq, plan, chat, base, traces, parent)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(generation.stream(include_usage), media_type="text/event-stream")
