@@ -1,6 +1,9 @@
 """What operators see: OpenTelemetry traces of a turn (router and workers exporting to a real OTLP receiver started
 here) and the metrics a Grafana dashboard queries, on one running stack (router + P with its cache off + D)."""
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -100,3 +103,72 @@ def test_without_a_client_trace_each_turn_starts_its_own(stack, receiver):
     spans = spans_of(receiver, roots[-1]["trace_id"], 3)
     assert {s["service"] for s in spans} == {"kvturn-router", "kvturn-prefill", "kvturn-decode"}
     assert roots[-1]["attributes"]["gen_ai.latency.time_to_first_token"] > 0
+
+
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "kvturn.json"
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+                "offset", "inf", "nan"}
+
+
+def series_queried(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: not functions, keywords, labels, numbers or durations."""
+    expr = re.sub(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*,[^)]*\)", r"\1", expr)
+    for pattern in (r'"(?:[^"\\]|\\.)*"', r"\{[^}]*\}", r"\[[^\]]*\]",
+                    r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"):
+        expr = re.sub(pattern, " ", expr)
+    names = re.findall(r"(?<![\w:$.])([a-zA-Z_:][a-zA-Z0-9_:]*)(?![\w:])(?!\s*\()", expr)
+    return {name for name in names if name.lower() not in PROMQL_WORDS}
+
+
+def test_series_queried_reads_names_only():
+    assert series_queried('histogram_quantile(0.9, sum by (le, instance) (rate(vllm:x_bucket{model_name=~"$m"}'
+                          '[$__rate_interval])))') == {"vllm:x_bucket"}
+    assert series_queried("sum(rate(a_total[5m])) / sum(rate(b_total[5m]))") == {"a_total", "b_total"}
+    assert series_queried("label_values(vllm:num_requests_running, model_name)") == {"vllm:num_requests_running"}
+
+
+def exposed_series(url: str) -> set[str]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_every_series_the_grafana_dashboard_queries_exists_on_a_running_stack(stack):
+    messages = [{"role": "system", "content": SYSTEM}, user_message(0)]
+    first = send(stack.url, messages, "dashboard", stream=True)
+    send(stack.url, messages + [{"role": "assistant", "content": first["text"]}, user_message(1)], "dashboard",
+         stream=True)
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queries += [variable["query"] for variable in dashboard["templating"]["list"] if variable["type"] == "query"]
+    queried = set().union(*(series_queried(expr) for expr in queries))
+    exposed = set().union(*(exposed_series(url) for url in stack.urls.values()))
+    assert queried and queried <= exposed, sorted(queried - exposed)
+    for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:prefix_cache_hits_total",
+                 "vllm:nixl_xfer_time_seconds_bucket", "vllm:nixl_bytes_transferred_sum",
+                 "kvturn_router_kv_transferred_bytes_total", "kvturn_kv_tier_retained_bytes"):
+        assert name in queried, name
+
+
+def test_the_vllm_named_metrics_count_what_vllms_do(stack):
+    """Prompt tokens by source add up to vLLM's total; D's reads of P's blocks are its external hits."""
+    send(stack.url, [{"role": "user", "content": "Counted by source."}], "by-source", stream=False)
+    samples = {}
+    for line in httpx.get(f"{stack.urls['decode0']}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            samples[(name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels)))] = float(value)
+
+    def sample(name: str, **labels) -> float:
+        wanted = {"engine": "0", "model_name": stack_model(stack), **labels}
+        return samples[(name, frozenset(wanted.items()))]
+
+    by_source = {s: sample("vllm:prompt_tokens_by_source_total", source=s)
+                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert sum(by_source.values()) == sample("vllm:prompt_tokens_total") > 0
+    assert by_source["external_kv_transfer"] == sample("vllm:external_prefix_cache_hits_total") > 0
+    assert sample("vllm:nixl_bytes_transferred_count") > 0 and sample("vllm:nixl_xfer_time_seconds_count") > 0
+
+
+def stack_model(stack) -> str:
+    return httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]

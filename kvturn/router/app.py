@@ -27,6 +27,7 @@ from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
 from kvturn.router.turn import Turn
+from kvturn.router.turn_metrics import TurnMetrics
 from kvturn.router.turn_span import TurnSpan
 from kvturn.router.upstream import Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
@@ -76,6 +77,7 @@ class Router:
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
+        self.turn_metrics = TurnMetrics(self.metrics.registry)
         self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (turn_costs.py)
         self.text_tokens: keys.TextTokens | None = None  # ...and its messages' texts, each counted once
         if config.tokenizer_dir:

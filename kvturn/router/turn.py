@@ -76,8 +76,9 @@ class Turn(Streaming):
             self.span.retried(reason)
 
     def report(self, decode: dict | None, decode_url: str, learned: dict | None) -> dict:
-        """The response's `kvturn` object, kept for the turn's span."""
+        """The response's `kvturn` object, kept for the turn's span, and the turn's metrics (its answer is out)."""
         self.reported = self.backend.report(decode, decode_url, learned)
+        self.router.turn_metrics.observe(self, self.reported)
         return self.reported
 
     async def waiting(self, awaitable):

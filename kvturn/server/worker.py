@@ -55,7 +55,7 @@ class Worker:
         # Before any request comes (the steps use free blocks only), with the NIXL agent's threads running.
         self.calibration = time_prefill_steps(self.engine) if config.calibrate else []
         self.async_engine = AsyncEngine(self.engine)
-        self.metrics = WorkerMetrics(self.engine, self.connector)
+        self.metrics = WorkerMetrics(self.engine, self.connector, self.model_name)
         connector_config = config.connector
         self.advertise_host = config.advertise_host or config.host
         self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
