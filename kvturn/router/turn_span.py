@@ -57,7 +57,8 @@ def turn_attributes(turn) -> dict:
         "gen_ai.usage.cached_tokens": cached if cached is not None else decode.get("prompt_tokens_cached"),
         "gen_ai.latency.e2e": time.perf_counter() - turn.started,
         "gen_ai.latency.time_to_first_token": turn.first_token_at - turn.started if turn.first_token_at else None,
-        "gen_ai.latency.kv_cache_transfer_time": (d_to_p_s or 0.0) + (p_to_d_s or 0.0) if report else None,
+        "gen_ai.latency.kv_cache_transfer_time": None if d_to_p_s is None and p_to_d_s is None else
+        (d_to_p_s or 0.0) + (p_to_d_s or 0.0),
         "kvturn.conversation.derived": turn.conversation.derived if turn.conversation else None,
         "kvturn.stream": bool(body.get("stream")),
         "kvturn.lookup": turn.lookup,
