@@ -107,3 +107,10 @@ def test_a_routers_list_of_session_headers_says_which_are_read_and_in_what_order
                                           ("1", False), (None, False)])
 def test_dynamos_final_header_ends_the_session_only_when_true(value, final):
     assert keys.ends_session({} if value is None else {"X-Dynamo-Session-Final": value}) is final
+
+
+@pytest.mark.parametrize("header", ["", "two words", "X-Id:", "X-Ïd"])
+def test_a_session_header_must_be_an_http_header_name(header):
+    from kvturn.config import ConfigError, RouterConfig
+    with pytest.raises(ConfigError, match="session header"):
+        RouterConfig(prefill_urls=["http://p"], decode_urls=["http://d"], session_headers=["X-Session-ID", header])
