@@ -149,6 +149,8 @@ def router(
     max_body_mb: int = option(RouterConfig, "max_body_mb"),
     cluster_secret: Optional[str] = option(RouterConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
+    admin_key: list[str] = option(RouterConfig, "admin_keys", "--admin-key", envvar="KVTURN_ADMIN_KEY"),
+    expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
     path_policy: str = option(RouterConfig, "path_policy"),
     stall_weight: float = option(RouterConfig, "stall_weight"),
     backend: str = option(RouterConfig, "backend"),
@@ -171,7 +173,8 @@ def router(
                    max_in_flight_per_decode=max_in_flight_per_decode,
                    upstream_timeout_s=upstream_timeout_s, no_worker_wait_s=no_worker_wait_s,
                    health_interval_s=health_interval_s, max_body_mb=max_body_mb,
-                   cluster_secret=cluster_secret or None, api_keys=api_key, path_policy=path_policy,
+                   cluster_secret=cluster_secret or None, api_keys=api_key, admin_keys=admin_key,
+                   expose_internals=expose_internals, path_policy=path_policy,
                    stall_weight=stall_weight, backend=backend,
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
@@ -196,6 +199,8 @@ def serve(
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
+    admin_key: list[str] = option(RouterConfig, "admin_keys", "--admin-key", envvar="KVTURN_ADMIN_KEY"),
+    expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
     path_policy: str = option(RouterConfig, "path_policy"),
     no_worker_wait_s: float = option(RouterConfig, "no_worker_wait_s"),
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
@@ -220,7 +225,8 @@ def serve(
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
-                   *(a for key in api_key for a in ("--api-key", key))]
+                   *(a for key in api_key for a in ("--api-key", key)),
+                   *(a for key in admin_key for a in ("--admin-key", key))]
     log_dir = log_dir or default_log_dir("serve")
     log_dir.mkdir(parents=True, exist_ok=True)
     setup_logging("info")
@@ -231,7 +237,8 @@ def serve(
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, decode_args=decode_args, router_args=router_args,
-                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor)
+                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor,
+                       expose_internals=expose_internals)
     typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
     signalled: list[int] = []
 

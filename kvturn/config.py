@@ -137,6 +137,8 @@ class WorkerConfig:
         _check(self.register_url is None or is_redis_url(self.register_url),
                f"register_url must be a redis:// URL, got {self.register_url!r}")
         _positive(self, "register_ttl_s")
+        _check(self.register_ttl_s <= 300, "register_ttl_s must be at most 300 s (routers believe no registration "
+                                           "for longer)")
 
     @property
     def transfers_kv(self) -> bool:
@@ -167,6 +169,12 @@ class RouterConfig:
     cluster_secret: str | None = setting(None, "shared secret the router presents to workers")
     api_keys: list[str] = setting([], "client API key (repeat for several); clients must send "
                                       "'Authorization: Bearer KEY' and see only their own conversations")
+    admin_keys: list[str] = setting([], "key that /metrics and the worker list of /health require (repeat for "
+                                        "several; 'Authorization: Bearer KEY'); without one, /metrics is open and "
+                                        "/health lists workers only with --expose-internals")
+    expose_internals: bool = setting(False, "show clients where their turns ran (worker URLs, engine ids in the "
+                                            "kvturn object) and let them ask for kv_transfer_params (lease handles "
+                                            "and their MACs): for a cluster's own benchmarks and tests")
     max_body_mb: int = setting(32, "largest request body accepted, MiB")
     path_policy: str = setting("pull", "how a turn with a live lease is served: pull (D->P read, then P->D), "
                                        "compute_on_decode (D computes the new tokens on its retained KV), "
@@ -215,6 +223,8 @@ class RouterConfig:
         _check(self.cluster_secret is None or len(self.cluster_secret) >= 16,
                "cluster_secret must be at least 16 characters")
         _check(all(self.api_keys), "an API key may not be empty")
+        _check(all(self.admin_keys), "an admin key may not be empty")
+        _check(not set(self.admin_keys) & set(self.api_keys), "an admin key may not also be a client API key")
         _check(self.path_policy in PATH_POLICIES, f"path_policy must be one of {PATH_POLICIES}")
         _check(self.stall_weight >= 0, "stall_weight must be >= 0")
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -155,13 +155,15 @@ class LocalStack:
                  worker_args: list[str] = (), prefill_args: list[str] = (), decode_args: list[str] = (),
                  router_args: list[str] = (), log_dir: Path | None = None, env: dict | None = None,
                  base_port: int | None = None, pin_workers: bool = False, num_prefill: int = 1, num_routers: int = 1,
-                 supervisor: SupervisorConfig | None = None):
+                 supervisor: SupervisorConfig | None = None, expose_internals: bool = True):
         self.model_dir, self.mode = str(model_dir), mode
         self.bidirectional, self.prefix_caching_on_prefill = bidirectional, prefix_caching_on_prefill
         self.num_prefill, self.num_decode, self.num_routers = num_prefill, num_decode, num_routers
         self.kv_cache_mb = kv_cache_mb
         self.worker_args, self.prefill_args = list(worker_args), list(prefill_args)
         self.decode_args, self.router_args = list(decode_args), list(router_args)
+        if expose_internals:  # the stacks of benchmarks and tests report where each turn ran; `kvturn serve` does not
+            self.router_args.append("--expose-internals")
         self.log_dir = Path(log_dir) if log_dir else default_log_dir("stack")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), **(env or {})}

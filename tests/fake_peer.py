@@ -6,7 +6,8 @@ CONFIG is a JSON file, read again on every request so a test can change the scri
 
     {"agent": {"upstream": URL, "secret": S}      proxy a real worker's agent info (a NIXL handshake works)
             | {"status": 200, "raw": TEXT},       or answer this text
-     "leases": {HANDLE: {"status": 200, "json": ANY} | {"status": 200, "raw": TEXT}}}
+     "leases": {HANDLE: {"status": 200, "json": ANY} | {"status": 200, "raw": TEXT}},
+     "health": {"status": 200, "json": ANY}}      answer GET /health so (as a worker a router probes)
 
 An acquire for a handle the script does not name gets a 404, as a real worker answers for an unknown lease.
 """
@@ -99,6 +100,8 @@ def serve(port: int, config_path: Path, log_path: Path) -> None:
                 return self.answer(200, "{}")
             self.record(b"")
             script = json.loads(config_path.read_text())
+            if self.path == "/health" and "health" in script:
+                return self.reply(script["health"])
             agent = script.get("agent")
             if self.path != "/kv/agent" or agent is None:
                 return self.answer(404, json.dumps({"error": {"message": "no such route"}}))

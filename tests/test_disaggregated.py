@@ -127,7 +127,8 @@ def test_a_handle_is_bound_to_its_conversation(stacks):
             "conversation_id": "conv-intruder"}
     result = httpx.post(f"{stack.urls['prefill']}/v1/chat/completions", json=body, timeout=60,
                         headers=as_router(stack)).json()
-    assert result["kvturn"]["reuse"] == "lease_unknown" and result["kvturn"]["prompt_tokens_remote"] == 0
+    # The lease's MAC binds it to its conversation: another's is refused before D is even asked.
+    assert result["kvturn"]["reuse"] == "unsigned_record" and result["kvturn"]["prompt_tokens_remote"] == 0
 
 
 def test_reusable_tokens_below_threshold_are_recomputed(stacks):

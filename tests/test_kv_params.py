@@ -54,25 +54,53 @@ def test_a_plan_binds_a_decode_lease_to_the_conversation_and_a_pin_to_the_reques
         plan({"do_remote_prefill": True}, "conv")
 
 
-def test_a_relayed_lease_record_is_trusted_only_whole_for_its_kind_holder_and_binding():
-    """The MAC a holder puts in `binding` covers every field of the record: change any, or present it for
-    another conversation, another holder or the other kind of lease, and the reader asks the holder instead."""
+def test_a_relayed_lease_record_is_trusted_only_whole_for_its_kind_holder_address_and_binding():
+    """The MAC a holder puts in `binding` covers every field of the record and the address it advertises: change
+    any (a store that relays the record rewrote its host or port), or present it for another conversation, another
+    holder or the other kind of lease, and the record is not the holder's."""
     from kvturn.kv_transfer.params import RemoteRef
     from kvturn.kv_transfer.side_channel import LEASE, PIN, PeerClient
     holder, reader = PeerClient("s" * 32, 1.0, []), PeerClient("s" * 32, 1.0, [])
     record = {"handle": "h", "block_ids": [4, 5], "block_hashes": [11, 12], "block_epochs": [1, 1],
               "num_tokens": 32, "expiry_time": 1.5e9, "first_token_id": 7}
-    bound = {**record, "binding": holder.binding(LEASE, "engine-d", "conv-a", record)}
+    bound = {**record, "binding": holder.binding(LEASE, "engine-d", "127.0.0.1:8200", "conv-a", record)}
 
-    def ref(relayed, engine="engine-d", key="conv-a"):
-        return RemoteRef(engine, "127.0.0.1", 8200, relayed["handle"], key, relayed)
+    def ref(relayed, engine="engine-d", key="conv-a", host="127.0.0.1", port=8200):
+        return RemoteRef(engine, host, port, relayed["handle"], key, relayed)
 
     assert reader.record_is_bound(ref(bound), LEASE)
     assert not reader.record_is_bound(ref(bound), PIN)
     assert not reader.record_is_bound(ref(bound, key="conv-b"), LEASE)
     assert not reader.record_is_bound(ref(bound, engine="engine-other"), LEASE)
+    assert not reader.record_is_bound(ref(bound, port=9199), LEASE)
+    assert not reader.record_is_bound(ref(bound, host="10.0.0.9"), LEASE)
     for field, value in [("block_ids", [4, 9]), ("block_epochs", [1, 2]), ("block_hashes", [11, 13]),
-                         ("num_tokens", 31), ("expiry_time", 1.6e9), ("first_token_id", 8), ("handle", "g")]:
+                         ("num_tokens", 31), ("expiry_time", 1.6e9), ("first_token_id", 8), ("handle", "g"),
+                         ("tier", "host")]:
         assert not reader.record_is_bound(ref({**bound, field: value}), LEASE), field
     assert not PeerClient("t" * 32, 1.0, []).record_is_bound(ref(bound), LEASE)  # another cluster's secret
     assert not PeerClient(None, 1.0, []).record_is_bound(ref(bound), LEASE)  # no secret: never trusted relayed
+
+
+def test_with_a_secret_only_a_signed_record_or_a_peer_given_at_start_up_may_be_contacted():
+    """The secret is shown only to a peer the cluster named: a record its holder signed for this very address and
+    binding, relayed by a caller of the cluster, or a --trusted-peer. A rewritten address, a record without its
+    MAC, or any peer a caller without the secret names is declined before any contact."""
+    from kvturn.kv_transfer import policy
+    from kvturn.kv_transfer.params import RemoteRef
+    from kvturn.kv_transfer.side_channel import LEASE, PeerClient
+    record = {"handle": "h", "block_ids": [4], "block_hashes": [11], "block_epochs": [1], "num_tokens": 16,
+              "expiry_time": 1.5e9, "first_token_id": None}
+    signed = {**record, "binding": PeerClient("s" * 32, 1.0, []).binding(LEASE, "d", "10.0.0.2:8200", "c", record)}
+    reader = PeerClient("s" * 32, 1.0, ["10.0.0.3:8300"])
+
+    def ref(host, port, relayed):
+        return RemoteRef("d", host, port, "h", "c", relayed)
+
+    assert reader.may_contact(ref("10.0.0.2", 8200, signed), True, LEASE) is None
+    assert reader.may_contact(ref("10.0.0.66", 8200, signed), True, LEASE) == policy.UNSIGNED_RECORD
+    assert reader.may_contact(ref("10.0.0.2", 9199, signed), True, LEASE) == policy.UNSIGNED_RECORD
+    assert reader.may_contact(ref("10.0.0.2", 8200, record), True, LEASE) == policy.UNSIGNED_RECORD
+    assert reader.may_contact(ref("10.0.0.2", 8200, signed), False, LEASE) == policy.UNTRUSTED_PEER
+    assert reader.may_contact(ref("10.0.0.3", 8300, None), False, LEASE) is None  # given at start-up
+    assert PeerClient(None, 1.0, []).may_contact(ref("10.0.0.66", 1, None), False, LEASE) is None  # open cluster

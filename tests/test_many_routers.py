@@ -52,7 +52,7 @@ class Routers:
             port = free_port()
             log = self.stack.log_dir / f"router-{port}.log"
             started[f"http://127.0.0.1:{port}"] = start(["router", "--port", str(port), "--health-interval-s", "0.5",
-                                                         *args], log, self.stack.env)
+                                                         "--expose-internals", *args], log, self.stack.env)
         self.processes.update(started)
         for url, process in started.items():
             wait_healthy(url, process, timeout_s=90)

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from kvturn.launch import RedisServer
-from kvturn.registry import WorkerRegistry
+from kvturn.registry import Registration, WorkerRegistry, signature
 from kvturn.router.conversations import Conversation
 from kvturn.router.redis_state import (HISTORY_DIGESTS_KEPT, RETRY_AFTER_S, TIMEOUT_S, UNAVAILABLE,
                                        RedisConversationTable)
@@ -173,14 +173,22 @@ def test_a_stopped_redis_costs_a_turn_nothing_and_is_used_again_once_back(server
     with_table(url, scenario, on_error=lambda: errors.append(1), clock=lambda: now[0])
 
 
+SECRET = "cluster-secret-of-the-registry-tests"
+
+
+def urls(members: dict | None) -> dict:
+    return {role: sorted(found) for role, found in (members or {}).items()}
+
+
 def test_workers_registry_lists_live_registrations_and_forgets_expired_ones(url):
     async def scenario():
-        registry = WorkerRegistry(url)
+        registry = WorkerRegistry(url, SECRET)
         await registry.announce("prefill", "http://127.0.0.1:9001", ttl_s=60)
         await registry.announce("decode", "http://127.0.0.1:9002", ttl_s=0.2)
-        assert await registry.members() == {"prefill": ["http://127.0.0.1:9001"], "decode": ["http://127.0.0.1:9002"]}
+        assert urls(await registry.members()) == {"prefill": ["http://127.0.0.1:9001"],
+                                                  "decode": ["http://127.0.0.1:9002"]}
         deadline = time.monotonic() + 10  # Redis expires the registration by its own clock
-        while await registry.members() != {"prefill": ["http://127.0.0.1:9001"]}:
+        while urls(await registry.members()) != {"prefill": ["http://127.0.0.1:9001"]}:
             assert time.monotonic() < deadline, await registry.members()
             await asyncio.sleep(0.05)
         await registry.withdraw("prefill", "http://127.0.0.1:9001")
@@ -192,12 +200,71 @@ def test_workers_registry_lists_live_registrations_and_forgets_expired_ones(url)
     asyncio.run(scenario())
 
 
-def test_a_pool_adds_registered_workers_and_drops_unregistered_ones_that_stopped_answering():
-    pool = WorkerPool(["http://static:1"], "decode")
-    pool.follow_registry(["http://new:2/", "http://other:3"])
+def test_a_router_takes_only_registrations_signed_under_its_cluster_secret(url):
+    """Whoever can write Redis cannot add a worker: a key written by hand (unsigned), one signed under another
+    secret, one whose value names another URL than its key, and a signed one announced long ago are all ignored,
+    each counted by reason."""
+    async def scenario():
+        refused = []
+        router = WorkerRegistry(url, SECRET, refused.append)
+        await WorkerRegistry(url, SECRET).announce("decode", "http://127.0.0.1:9002", ttl_s=10)
+        await WorkerRegistry(url, "another-clusters-secret-value").announce("decode", "http://127.0.0.1:9003", 10)
+        raw = redis.Redis.from_url(url)
+        raw.set("kvturn:worker:decode:http://127.0.0.1:9199", "{}")
+        raw.set("kvturn:worker:decode:http://127.0.0.1:9198", json.dumps(
+            {"role": "decode", "url": "http://127.0.0.1:9198", "announced_at": time.time(), "ttl_s": 10}))
+        signed = json.loads(raw.get("kvturn:worker:decode:http://127.0.0.1:9002"))
+        raw.set("kvturn:worker:decode:http://127.0.0.1:9197", json.dumps(signed))  # a copy under another key
+        old = time.time() - 3600
+        raw.set("kvturn:worker:prefill:http://127.0.0.1:9196", json.dumps(
+            {"role": "prefill", "url": "http://127.0.0.1:9196", "announced_at": old, "ttl_s": 10,
+             "signature": signature(SECRET, "prefill", "http://127.0.0.1:9196", old, 10)}))
+        assert urls(await router.members()) == {"decode": ["http://127.0.0.1:9002"]}
+        assert sorted(refused) == ["bad_signature", "malformed", "malformed", "stale", "unsigned"]
+        await router.close()
+    asyncio.run(scenario())
+
+
+def test_a_pool_adds_registered_workers_and_drops_those_whose_registration_ran_out_even_if_they_answer():
+    now = [100.0]
+    pool = WorkerPool(["http://static:1"], "decode", clock=lambda: now[0])
+    pool.follow_registry({"http://new:2/": Registration("http://new:2", 1.0, 10.0),
+                          "http://other:3": Registration("http://other:3", 1.0, 10.0)})
     assert [w.url for w in pool.workers] == ["http://static:1", "http://new:2", "http://other:3"]
     assert not pool.find("http://new:2").healthy  # until a probe says otherwise
     pool.find("http://other:3").healthy = True
     pool.find("http://static:1").healthy = False
-    pool.follow_registry([])  # e.g. Redis restarted empty: who still answers stays until it registers again
-    assert [w.url for w in pool.workers] == ["http://static:1", "http://other:3"]
+    now[0] = 105.0
+    pool.follow_registry({"http://other:3": Registration("http://other:3", 1.0, 10.0)})  # replayed: extends nothing
+    pool.follow_registry({})  # e.g. Redis restarted empty: each stays until its last registration runs out
+    assert [w.url for w in pool.workers] == ["http://static:1", "http://new:2", "http://other:3"]
+    pool.follow_registry({"http://new:2": Registration("http://new:2", 2.0, 10.0)})  # renewed: until 115
+    now[0] = 111.0
+    pool.follow_registry({})
+    assert [w.url for w in pool.workers] == ["http://static:1", "http://new:2"]  # `other` answers, yet it is gone
+    now[0] = 116.0
+    pool.follow_registry({})
+    assert [w.url for w in pool.workers] == ["http://static:1"]  # given on the command line: stays
+
+
+def test_an_entry_rewritten_in_redis_is_treated_as_absent_and_counted(url):
+    """With a cluster secret, an entry carries a MAC of its key and content: whoever rewrites the decode worker's
+    address (or anything else) in Redis, or writes an entry of its own, is not believed."""
+    rejected = []
+
+    async def scenario(table):
+        stored = entry("public:a")
+        stored.kv_params = {**stored.kv_params, "remote_host": "127.0.0.1", "remote_port": 8200}
+        assert await table.put(stored)
+        assert (await table.lookup("public:a"))[0].kv_params["remote_port"] == 8200
+        raw = redis.Redis.from_url(url)
+        name = "kvturn:conv:public:a"
+        fields = json.loads(raw.hget(name, "entry"))
+        fields["kv_params"]["remote_port"] = 9199
+        raw.hset(name, "entry", json.dumps(fields))
+        assert await table.lookup("public:a") == (None, None) and len(rejected) == 1
+        await RedisConversationTable(url, 60.0).put(entry("public:b"))  # a writer without the secret
+        assert await table.lookup("public:b") == (None, None) and len(rejected) == 2
+        raw.hset(name, "mac", raw.hget("kvturn:conv:public:b", "mac") or "x")  # a MAC of another entry
+        assert await table.lookup("public:a") == (None, None) and len(rejected) == 3
+    with_table(url, scenario, secret=SECRET, on_rejected=lambda: rejected.append(1))

@@ -17,6 +17,7 @@ from chat import SYSTEM, metric
 from fake_peer import SECRET_HEADER, FakePeer
 from kvturn import launch
 from kvturn.engine.block_manager import chain_hash
+from kvturn.kv_transfer.side_channel import LEASE, PIN, lease_binding
 from kvturn.launch import LocalStack
 from kvturn.router.keys import scope_of, scoped
 
@@ -131,6 +132,24 @@ def remote_decode_params(fake: FakePeer, handle: str) -> dict:
             "remote_port": fake.port, "handle": handle, "remote_block_ids": [1, 2]}
 
 
+def signed(deployment: Deployment, params: dict, kind: str, binding_key: str) -> dict:
+    """`params` with the whole lease record and the MAC a cluster member holding the secret would make for its own
+    address (no `remote_blocks_ttl_s`, so the reader still asks the holder): what the router relays from a real
+    worker. Only a peer named by such a record is contacted."""
+    record = {"handle": params["handle"], "block_ids": params.get("remote_block_ids", [1, 2]),
+              "block_hashes": params.get("remote_block_hashes", [11, 12]),
+              "block_epochs": params.get("remote_block_epochs", [0, 0]),
+              "num_tokens": params.get("remote_num_tokens", 20),
+              "expiry_time": params.get("remote_blocks_expiry_time", time.time() + 300),
+              "first_token_id": params.get("first_token_id"), "tier": "pool"}
+    address = f"{params['remote_host']}:{params['remote_port']}"
+    binding = lease_binding(deployment.stack.cluster_secret, kind, params["remote_engine_id"], address, binding_key,
+                            record)
+    return {**params, "remote_block_ids": record["block_ids"], "remote_block_hashes": record["block_hashes"],
+            "remote_block_epochs": record["block_epochs"], "remote_num_tokens": record["num_tokens"],
+            "remote_blocks_expiry_time": record["expiry_time"], "binding": binding}
+
+
 def opening(turn_text: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": turn_text}]
 
@@ -177,9 +196,11 @@ def test_an_untrusted_caller_cannot_poison_the_decode_workers_prefix_cache(deplo
     assert ok(complete(d.router, victim))["choices"][0]["text"] == clean
 
 
-def test_a_forged_lease_is_believed_only_on_the_secret_which_is_what_makes_the_attack_real(deployment):
-    """Control for the test above: with the secret, the same forgery is read (so its payload is a real attack)."""
-    d, fake = deployment, deployment.fakes["untrusted"]
+def test_a_forged_lease_is_believed_only_from_a_peer_the_cluster_trusts_which_is_what_makes_the_attack_real(
+        deployment):
+    """Control for the test above: from a peer given at start-up (--trusted-peer), the same forgery is read (so its
+    payload is a real attack)."""
+    d, fake = deployment, deployment.fakes["trusted"]
     prompt = "Another forged prefix: quarterly numbers for the northern region warehouse were " * 4
     forced = d.tokens("Q")[0]
     arm(d, fake, "forged", forged_lease(d, prompt, first_token_id=forced))
@@ -225,12 +246,30 @@ def test_prefill_worker_never_contacts_a_peer_named_without_the_secret(deploymen
     assert metric(d.prefill, DECLINE, '{reason="untrusted_peer"}') == before + 1
 
 
-def test_a_caller_with_the_secret_makes_the_worker_contact_the_peer_and_show_the_secret(deployment):
+def test_a_caller_with_the_secret_cannot_make_a_worker_contact_an_address_no_member_signed(deployment):
+    """What a store that relays records could do (rewrite a lease's host or port): the worker checks the record's
+    MAC, which covers the holder's address, before any contact, and contacts nobody."""
+    d, fake = deployment, deployment.fakes["untrusted"]
+    fake.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}})
+    fake.clear()
+    engine_id = httpx.get(f"{d.prefill}/health", timeout=10).json()["engine_id"]
+    genuine = signed(d, remote_prefill_params(fake, "h-moved", engine_id), PIN, "cmpl-h-moved")
+    before = metric(d.decode, DECLINE, '{reason="unsigned_record"}')
+    for params in ({**genuine, "remote_port": genuine["remote_port"] + 1}, {**genuine, "binding": "0" * 64},
+                   remote_prefill_params(fake, "h-moved", engine_id)):
+        result = ok(complete(d.decode, "Decode for me, please: ", headers=d.secret, kv_transfer_params=params))
+        assert result["kvturn"]["reuse"] == "unsigned_record"
+    assert fake.requests() == []
+    assert metric(d.decode, DECLINE, '{reason="unsigned_record"}') == before + 3
+
+
+def test_a_caller_with_the_secret_makes_the_worker_contact_the_peer_a_member_signed_and_show_the_secret(deployment):
     d, fake = deployment, deployment.fakes["untrusted"]
     fake.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}})  # no lease: 404
     fake.clear()
-    result = ok(complete(d.decode, "Decode for me, please: ", headers=d.secret,
-                         kv_transfer_params=remote_prefill_params(fake, "no-such-lease")))
+    engine_id = httpx.get(f"{d.prefill}/health", timeout=10).json()["engine_id"]
+    params = signed(d, remote_prefill_params(fake, "no-such-lease", engine_id), PIN, "cmpl-no-such-lease")
+    result = ok(complete(d.decode, "Decode for me, please: ", headers=d.secret, kv_transfer_params=params))
     assert result["kvturn"]["reuse"] == "lease_unknown"
     seen = fake.requests()
     assert [e["path"] for e in seen if e["path"] != "/kv/lease/release"][-1] == "/kv/lease/acquire"
@@ -290,7 +329,7 @@ def recomputed(deployment):
 
 @pytest.mark.parametrize("case", list(MALFORMED_LEASES))
 def test_a_malformed_lease_reply_on_the_decode_path_is_declined_and_recomputed(deployment, recomputed, case):
-    d, fake = deployment, deployment.fakes["untrusted"]
+    d, fake = deployment, deployment.fakes["trusted"]
     reply, reason = MALFORMED_LEASES[case]
     fake.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}, "leases": {case: reply}})
     fake.clear()
@@ -309,8 +348,10 @@ def test_a_malformed_lease_reply_on_the_prefill_path_is_declined_and_recomputed(
     reply, reason = MALFORMED_LEASES[case]
     fake.configure({"agent": {"upstream": d.decode, "secret": d.stack.cluster_secret}, "leases": {case: reply}})
     fake.clear()
+    engine_id = httpx.get(f"{d.decode}/health", timeout=10).json()["engine_id"]
+    params = signed(d, {**remote_decode_params(fake, case), "remote_engine_id": engine_id}, LEASE, f"conv-{case}")
     result = ok(complete(d.prefill, MALFORMED_PROMPT, headers=d.secret, conversation_id=f"conv-{case}",
-                         kv_transfer_params=remote_decode_params(fake, case)))
+                         kv_transfer_params=params))
     assert result["kvturn"]["reuse"] == reason and result["kvturn"]["prompt_tokens_remote"] == 0
     assert "/kv/lease/acquire" in [e["path"] for e in fake.requests()]
 
@@ -326,9 +367,9 @@ def test_malformed_agent_info_from_a_trusted_peer_is_declined_and_recomputed(dep
     for agent in agents:
         fake.configure({"agent": agent, "leases": {"h": lease_reply()}})
         fake.clear()
-        result = ok(complete(d.decode, MALFORMED_PROMPT, headers=d.secret,
-                             kv_transfer_params=remote_prefill_params(fake, "h")))
-        assert result["kvturn"]["reuse"] in ("bad_peer_reply", "peer_unreachable"), agent
+        params = signed(d, remote_prefill_params(fake, "h", "forged-engine"), PIN, "cmpl-h")
+        result = ok(complete(d.decode, MALFORMED_PROMPT, headers=d.secret, kv_transfer_params=params))
+        assert result["kvturn"]["reuse"] in ("bad_peer_reply", "peer_unreachable", "lease_unknown"), agent
         assert result["choices"][0]["text"] == recomputed
         assert [e["path"] for e in fake.requests() if e["path"] != "/kv/lease/release"] == ["/kv/agent"], agent
 
@@ -663,10 +704,16 @@ def test_a_relayed_first_token_is_taken_only_from_a_caller_of_the_cluster(deploy
     trusted.configure({"agent": {"upstream": d.prefill, "secret": d.stack.cluster_secret}})
     via_trusted = ok(complete(d.decode, prompt, kv_transfer_params=relayed_pin(d, trusted, "pin-t", prompt, forced)))
     assert via_trusted["kvturn"]["reuse"] == "lease_unknown" and via_trusted["choices"][0]["text"] == clean
-    # The control: with the secret the token is taken, and the record (whose MAC is wrong) is not believed:
-    # the worker asks the peer, which knows no such lease.
-    member = ok(complete(d.decode, prompt, headers=d.secret,
-                         kv_transfer_params=relayed_pin(d, fake, "pin-b", prompt, forced)))
+    # With the secret but a record no member signed (a relay rewrote it): neither the token nor the peer it names.
+    unsigned = ok(complete(d.decode, prompt, headers=d.secret,
+                           kv_transfer_params=relayed_pin(d, fake, "pin-b", prompt, forced)))
+    assert unsigned["kvturn"]["reuse"] == "unsigned_record" and unsigned["choices"][0]["text"] == clean
+    assert fake.requests() == []
+    # The control: a record its holder signed, relayed with the secret: the token is taken though the holder knows
+    # no such lease (the router may have sent the token to the client already).
+    engine_id = httpx.get(f"{d.prefill}/health", timeout=10).json()["engine_id"]
+    pin = signed(d, {**relayed_pin(d, fake, "pin-c", prompt, forced), "remote_engine_id": engine_id}, PIN, "cmpl-pin-c")
+    member = ok(complete(d.decode, prompt, headers=d.secret, kv_transfer_params=pin))
     assert member["kvturn"]["reuse"] == "lease_unknown" and member["kvturn"]["prompt_tokens_remote"] == 0
     assert member["choices"][0]["text"].startswith("Q")
     assert "/kv/lease/acquire" in [e["path"] for e in fake.requests()]

@@ -17,16 +17,24 @@ NO_HASH = -1
 HASH_MASK = 0x7FFF_FFFF_FFFF_FFFF  # non-negative, fits a signed 64-bit JSON integer
 
 
+def salt_seed(cache_salt: str | None) -> int:
+    """The parent of a prompt's first block hash: 0 without a salt; with one (vLLM's `cache_salt`; the router sets one
+    per tenant), a seed of it, so that prompts under different salts share no cached block."""
+    if not cache_salt:
+        return 0
+    return xxhash.xxh64_intdigest(cache_salt.encode("utf-8", "surrogatepass")) & HASH_MASK
+
+
 def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None,
-                 known: list[int] = ()) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given); `known` holds
-    those of its first blocks already, which are not hashed again."""
+                 known: list[int] = (), seed: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids` (the first `num_blocks` of them if given), the first chained
+    on `seed` (salt_seed); `known` holds those of its first blocks already, which are not hashed again."""
     full = len(token_ids) // block_size if num_blocks is None else min(num_blocks, len(token_ids) // block_size)
     hashes = list(known[:full])
     first = len(hashes)
     data = np.asarray(token_ids[first * block_size:full * block_size], dtype=np.int64).tobytes()  # one conversion
     step = block_size * 8
-    parent = hashes[-1] if hashes else 0
+    parent = hashes[-1] if hashes else seed
     append, digest = hashes.append, xxhash.xxh64_intdigest
     for start in range(0, (full - first) * step, step):
         parent = digest(data[start:start + step], parent) & HASH_MASK

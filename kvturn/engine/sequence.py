@@ -36,8 +36,9 @@ class Timing:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 remote=None, retain=None):
+                 remote=None, retain=None, hash_seed: int = 0):
         self.request_id = request_id
+        self.hash_seed = hash_seed  # the parent of its first block's hash: its cache salt's (block_manager.salt_seed)
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -79,7 +80,7 @@ class Sequence:
         """Chained hashes of its full blocks of tokens: each block is hashed once in the sequence's life (admitted
         again after a preemption, or grown by its answer, it hashes only its new blocks)."""
         if len(self.block_hashes) < len(self.token_ids) // block_size:
-            self.block_hashes = block_hashes(self.token_ids, block_size, known=self.block_hashes)
+            self.block_hashes = block_hashes(self.token_ids, block_size, known=self.block_hashes, seed=self.hash_seed)
         return self.block_hashes
 
     def blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:

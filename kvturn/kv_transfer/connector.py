@@ -134,7 +134,7 @@ class KVConnector:
         whole = list(full_hashes)
         tail = seq.token_ids[len(whole) * self.block_size:]
         if tail:
-            whole.append(chain_hash(whole[-1] if whole else 0, tail))
+            whole.append(chain_hash(whole[-1] if whole else seq.hash_seed, tail))
         prompt = policy.PromptView(len(seq), full_hashes[:reusable_blocks(len(seq), self.block_size)], whole,
                                    seq.num_published_blocks, seq.params.must_sample_here)
         if remote is None:
@@ -326,7 +326,7 @@ class KVConnector:
             tail = seq.token_ids[full * self.block_size:seq.num_computed_tokens]
             if tail:
                 blocks = seq.block_table[:full + 1]
-                hashes = hashes + [chain_hash(hashes[-1] if hashes else 0, tail)]
+                hashes = hashes + [chain_hash(hashes[-1] if hashes else seq.hash_seed, tail)]
                 tokens = seq.num_computed_tokens
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
                                    spec.release_after_read, first_token)

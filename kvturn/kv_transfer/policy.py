@@ -13,8 +13,11 @@ COVERED_LOCALLY = "covered_locally"
 LAYOUT_MISMATCH = "layout_mismatch"
 UNTRUSTED_PEER = "untrusted_peer"  # a caller without the cluster secret named a peer we do not know
 BAD_PEER_REPLY = "bad_peer_reply"  # the peer's side channel answered something malformed
+# A caller of the cluster relayed a lease record whose MAC does not hold for this peer address and binding (a store
+# rewrote it, or it is another conversation's): the peer it names is not contacted
+UNSIGNED_RECORD = "unsigned_record"
 DECLINE_REASONS = (EXPIRED, BELOW_THRESHOLD, HASH_MISMATCH, EPOCH_MISMATCH, PEER_UNREACHABLE, LEASE_UNKNOWN,
-                   READ_FAILED, COVERED_LOCALLY, LAYOUT_MISMATCH, UNTRUSTED_PEER, BAD_PEER_REPLY)
+                   READ_FAILED, COVERED_LOCALLY, LAYOUT_MISMATCH, UNTRUSTED_PEER, BAD_PEER_REPLY, UNSIGNED_RECORD)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,11 +46,13 @@ RECORD_FIELDS = ("handle", "block_ids", "block_hashes", "block_epochs", "num_tok
                  "tier")
 
 
-def lease_binding(secret: str, kind: str, engine_id: str, binding_key: str, record: dict) -> str:
-    """A MAC, under the cluster secret, of a lease's whole record as its holder made it, of the holder, of the
-    kind of lease and of what it is bound to (a conversation, or P's request): a peer handed the record by the
-    router can trust every field of it without asking the holder, and only for that binding."""
-    fields = [kind, engine_id, binding_key, *(record.get(f) for f in RECORD_FIELDS)]
+def lease_binding(secret: str, kind: str, engine_id: str, address: str, binding_key: str, record: dict) -> str:
+    """A MAC, under the cluster secret, of a lease's whole record as its holder made it, of the holder (its engine
+    id and the side-channel address it advertises), of the kind of lease and of what it is bound to (a
+    conversation, or P's request; a conversation key carries its tenant's scope): a peer handed the record by the
+    router can trust every field of it, the address to contact included, without asking anyone, and only for that
+    binding. A store that relays the record can neither alter it nor point it at another host."""
+    fields = [kind, engine_id, address, binding_key, *(record.get(f) for f in RECORD_FIELDS)]
     try:
         message = orjson.dumps(fields)  # several times faster than json for ~550 hashes and ids, on P's turn
     except (TypeError, orjson.JSONEncodeError):  # what orjson cannot write (an int past 64 bits) binds nothing
@@ -125,21 +127,31 @@ class PeerClient:
     async def close(self) -> None:
         await self.http.aclose()
 
-    def may_contact(self, ref: RemoteRef, caller_has_secret: bool) -> bool:
-        """A peer named by a caller of the cluster, or given at start-up; never one an outsider names."""
-        return self.open_cluster or caller_has_secret or ref.address in self.trusted
+    def may_contact(self, ref: RemoteRef, caller_has_secret: bool, kind: str) -> str | None:
+        """None if this worker may contact the peer `ref` names (and show it the cluster secret), else the decline
+        reason. Trusted are a peer given at start-up, and, for a caller of the cluster, a peer named by a record
+        that peer signed itself under the secret (the MAC covers its address): never an address only a client or
+        the store that relayed the record named. In a cluster without a secret, any peer (as vLLM trusts its
+        network; the worker warned at start-up)."""
+        if self.open_cluster or ref.address in self.trusted:
+            return None
+        if not caller_has_secret:
+            return policy.UNTRUSTED_PEER
+        return None if self.record_is_bound(ref, kind) else policy.UNSIGNED_RECORD
 
-    def binding(self, kind: str, engine_id: str, binding_key: str, record: dict) -> str | None:
+    def binding(self, kind: str, engine_id: str, address: str, binding_key: str, record: dict) -> str | None:
         """What this worker's retention params carry in `binding` (nothing in a cluster without a secret)."""
-        return None if self.secret is None else lease_binding(self.secret, kind, engine_id, binding_key, record)
+        if self.secret is None:
+            return None
+        return lease_binding(self.secret, kind, engine_id, address, binding_key, record)
 
     def record_is_bound(self, ref: RemoteRef, kind: str) -> bool:
-        """Whether the lease record a caller relayed is, field for field, what the peer made under the cluster
-        secret, for this kind of lease and this very binding."""
+        """Whether the lease record a caller relayed is, field for field, what the peer at `ref.address` made under
+        the cluster secret, for this kind of lease and this very binding."""
         relayed = (ref.record or {}).get("binding")
         if not isinstance(relayed, str) or ref.engine_id is None or ref.record is None:
             return False
-        expected = self.binding(kind, ref.engine_id, ref.binding_key, ref.record)
+        expected = self.binding(kind, ref.engine_id, ref.address, ref.binding_key, ref.record)
         return expected is not None and hmac.compare_digest(relayed, expected)
 
     def forget(self, engine_id: str) -> None:

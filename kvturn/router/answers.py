@@ -1,5 +1,5 @@
-"""A worker's answer as the router reads it: the JSON object it must be, the text of a choice, and what a decode
-worker's answer leaves for the next turn."""
+"""A worker's answer as the router reads it: the JSON object it must be, the text of a choice, what a decode
+worker's answer leaves for the next turn, and what of the turn's report a client may see."""
 from dataclasses import dataclass
 
 from kvturn.router import fast_json
@@ -30,3 +30,13 @@ class DecodeAnswer:
     kv: dict | None  # its kv_transfer_params: what it retained for the next turn
     streamed: bool
     finish_reason: str | None = None
+
+
+INTERNAL_FIELDS = ("prefill_worker", "decode_worker", "engine_id")  # where a turn ran: the cluster's, not a client's
+
+
+def concealed(report: dict) -> dict:
+    """The `kvturn` object a client sees unless the router exposes internals: no worker URL or engine id, at any
+    depth (D's own report rides in it)."""
+    return {name: concealed(value) if isinstance(value, dict) else value
+            for name, value in report.items() if name not in INTERNAL_FIELDS}

@@ -66,6 +66,12 @@ class RouterMetrics:
                                    registry=self.registry)
         self.state_errors = Counter("kvturn_router_state_errors", "Conversation store calls that failed (the turn "
                                     "recomputed)", registry=self.registry)
+        self.registrations_refused = Counter("kvturn_router_registrations_refused", "Worker registrations in Redis "
+                                             "ignored: unsigned, bad_signature, stale or malformed", ["reason"],
+                                             registry=self.registry)
+        self.store_rejected = Counter("kvturn_router_store_rejected", "Records read from the shared store whose MAC "
+                                      "did not hold (a store that was written to by someone else): treated as absent",
+                                      ["record"], registry=self.registry)
         self.sessions_ended = Counter("kvturn_router_sessions_ended", "Sessions ended by their client (DELETE "
                                       "/v1/conversations/ID, or end_session on a last turn), by outcome", ["outcome"],
                                       registry=self.registry)
@@ -88,10 +94,14 @@ class Router:
         self.costs = CostModel()
         if is_redis_url(config.state_path):
             self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,
-                                                on_error=self.metrics.state_errors.inc)
+                                                on_error=self.metrics.state_errors.inc, secret=config.cluster_secret,
+                                                on_rejected=self.metrics.store_rejected.labels("conversation").inc)
         else:
             self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
-        self.registry = WorkerRegistry(config.discover_url) if config.discover_url else None
+        self.registry = None
+        if config.discover_url:
+            self.registry = WorkerRegistry(config.discover_url, config.cluster_secret,
+                                           lambda reason: self.metrics.registrations_refused.labels(reason).inc())
         self.trace = TraceOut(config.trace_out)
         self.traces = tracing.Tracing.start("router", config.otlp_traces_endpoint)  # None: no OpenTelemetry
         self.http: Upstream | None = None
@@ -119,8 +129,8 @@ class Router:
     async def check_workers(self) -> None:
         registered = await self.registry.members() if self.registry else None
         if registered is not None:
-            self.prefill.follow_registry(registered.get("prefill", []))
-            self.decode.follow_registry(registered.get("decode", []))
+            self.prefill.follow_registry(registered.get("prefill", {}))
+            self.decode.follow_registry(registered.get("decode", {}))
         await asyncio.gather(self.prefill.check(self.http), self.decode.check(self.http))
         await self.vllm.detect(self.http, self.prefill.workers + self.decode.workers)
         await asyncio.gather(*(self.learn_calibration(w) for w in self.prefill.workers + self.decode.workers
@@ -195,6 +205,12 @@ class Router:
         self.metrics.unauthorized.inc()
         raise BadRequest("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401)
 
+    def is_admin(self, request: Request) -> bool:
+        """Whether the caller sent one of the router's admin keys."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and any(secrets.compare_digest(token.encode(), key.encode())
+                                                  for key in self.config.admin_keys)
+
     async def conversation(self, body: dict, request: Request, chat: bool, scope: str):
         """(ConversationKey or None, History or None) of a request."""
         client_id = keys.explicit_id(body, request.headers, self.config.session_headers)
@@ -232,15 +248,17 @@ def create_app(config: RouterConfig) -> FastAPI:
     install_error_handlers(app, log)
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         if not router.prefill.healthy() or not router.decode.healthy():
             return error_response(503, "no healthy prefill or decode worker")
         state = router.table.health()
         if not state["healthy"]:
             state["note"] = "the conversation store is unreachable: serving, turns recompute until it is back"
-        return {"status": "ok" if state["healthy"] else "degraded", "state": state,
-                "prefill": [w.url for w in router.prefill.healthy()],
-                "decode": [w.url for w in router.decode.healthy()]}
+        reply = {"status": "ok" if state["healthy"] else "degraded", "state": state}
+        if router.is_admin(request) if config.admin_keys else config.expose_internals:
+            reply |= {"prefill": [w.url for w in router.prefill.healthy()],
+                      "decode": [w.url for w in router.decode.healthy()]}
+        return reply
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -254,7 +272,10 @@ def create_app(config: RouterConfig) -> FastAPI:
         return error_response(503, "no decode worker is available")
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if config.admin_keys and not router.is_admin(request):
+            router.metrics.unauthorized.inc()
+            return error_response(401, "/metrics needs an admin key (send 'Authorization: Bearer KEY')")
         await router.update_gauges()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -274,9 +295,13 @@ def create_app(config: RouterConfig) -> FastAPI:
             raise BadRequest(f"the request body is over {config.max_body_mb} MiB", status=413)
         body = parse_json_object(raw)
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
+        want_kv = want_kv and config.expose_internals  # a lease handle and its MAC are the cluster's
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
         # the last turn: release its KV once answered
         end_session = body.pop("end_session", None) is True or keys.ends_session(request.headers)
+        salt = keys.cache_salt(scope, body.pop("cache_salt", None), config.cluster_secret)
+        if salt is not None:
+            body["cache_salt"] = salt  # tenants share compute, not cached prefixes
         conversation, history = await router.conversation(body, request, chat, scope)
         span = TurnSpan(router.traces, request.headers) if router.traces is not None else None
         # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),

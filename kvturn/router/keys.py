@@ -11,6 +11,7 @@ never truncated. With API keys, every id lives in its key's own namespace (`scop
 neither reach nor probe another's conversations.
 """
 import hashlib
+import hmac
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -42,6 +43,21 @@ def scoped(scope: str, client_id: str) -> str:
 def scope_of(api_key: str | None) -> str:
     """The namespace of a caller: a digest of its API key (never the key itself), or the shared one."""
     return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else "public"
+
+
+def cache_salt(scope: str, client_salt, secret: str | None) -> str | None:
+    """The `cache_salt` the workers get: one per tenant (API key) and per salt the client sent (vLLM's field), so a
+    tenant's prompts never hit another's prefix cache, nor a client's another salt's; None for the shared namespace
+    without a salt (nothing to keep apart). Keyed with the cluster secret, so a caller that reaches a worker port
+    cannot compute a tenant's salt."""
+    if client_salt is not None and (not isinstance(client_salt, str) or not 0 < len(client_salt) <= MAX_ID_CHARS):
+        raise BadRequest(f"cache_salt must be a string of 1 to {MAX_ID_CHARS} characters", param="cache_salt")
+    if scope == scope_of(None) and client_salt is None:
+        return None
+    material = f"{scope}\0{client_salt or ''}".encode("utf-8", "surrogatepass")
+    if secret:
+        return hmac.new(secret.encode(), material, hashlib.sha256).hexdigest()
+    return hashlib.sha256(material).hexdigest()
 
 
 def explicit_id(body: dict, headers, id_headers=ID_HEADERS) -> str | None:

@@ -6,9 +6,16 @@ one script, so a replica that finishes an older turn late never overwrites a new
 `kvturn:hist:{digest}` naming its conversation, with the conversation TTL; each conversation keeps only its latest
 few (a retried or regenerated turn still finds it), so the keys follow the live conversations, not the turns.
 
+Redis relays, it does not steer: with a cluster secret, each entry carries a MAC (under the secret) of its key and its
+whole content, the decode worker's URL and lease record included, and an entry whose MAC does not hold (written by
+whoever else can write Redis) is treated as absent and counted. (The lease record inside is also MAC'd by the decode
+worker that made it, over its own address, which is what a prefill worker checks before it contacts anyone.)
+
 Redis is an optimisation like every reuse path: when it cannot be reached, lookups miss, writes are dropped, turns
 recompute, and `health()` says so; the next call after Redis is back uses it again.
 """
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -28,11 +35,11 @@ MGET_CHUNK = 256
 _FAILED = object()
 log = logging.getLogger("kvturn.router")
 
-# KEYS: conversation. ARGV: order, entry JSON, time to live ms. 1 if stored, 0 if a newer turn is there.
+# KEYS: conversation. ARGV: order, entry JSON, time to live ms, MAC. 1 if stored, 0 if a newer turn is there.
 PUT_UNLESS_NEWER = """
 local stored = redis.call('HGET', KEYS[1], 'order')
 if stored and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'order', ARGV[1], 'entry', ARGV[2])
+redis.call('HSET', KEYS[1], 'order', ARGV[1], 'entry', ARGV[2], 'mac', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
@@ -54,8 +61,13 @@ return 1
 
 class RedisConversationTable:
     def __init__(self, url: str, ttl_s: float, namespace: str = "kvturn", on_error: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, secret: str | None = None,
+                 on_rejected: Callable[[], None] | None = None):
+        """`secret`: the cluster's, under which entries are signed and checked (None: the store is trusted).
+        `on_rejected`: counts an entry whose MAC did not hold."""
         self.ttl_s = ttl_s
+        self.secret = secret.encode() if secret else None
+        self._on_rejected = on_rejected
         self.clock = clock  # of the retry wait and the size gauge; entries expire by Redis's own clock
         self.redis = connect(url, TIMEOUT_S)
         self._put = self.redis.register_script(PUT_UNLESS_NEWER)
@@ -94,8 +106,13 @@ class RedisConversationTable:
         found = await self._call(lambda: self._entry_and_time_left(self._conversation_prefix + key))
         if found is _FAILED:
             return None, UNAVAILABLE
-        raw, left_ms = found
+        raw, mac, left_ms = found
         if raw is None:
+            return None, None
+        if not self._signed(key, raw, mac):
+            log.warning("conversation entry %s in the shared store has no valid MAC; ignoring it", key)
+            if self._on_rejected:
+                self._on_rejected()
             return None, None
         try:
             entry = Conversation.from_fields(json.loads(raw))
@@ -109,13 +126,24 @@ class RedisConversationTable:
             entry.kv_params = with_time_left(entry.kv_params, left_ms / 1000)
         return entry, None
 
-    async def _entry_and_time_left(self, name: str) -> tuple[str | None, int | None]:
-        """The entry's JSON and its ms left in Redis (None for a key without expiry, which kvturn never writes)."""
+    async def _entry_and_time_left(self, name: str) -> tuple[str | None, str | None, int | None]:
+        """The entry's JSON, its MAC and its ms left in Redis (None for a key without expiry, which kvturn never
+        writes)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hget(name, "entry")
+            pipe.hmget(name, "entry", "mac")
             pipe.pttl(name)
-            raw, left_ms = await pipe.execute()
-        return raw, (left_ms if isinstance(left_ms, int) and left_ms != -1 else None)
+            (raw, mac), left_ms = await pipe.execute()
+        return raw, mac, (left_ms if isinstance(left_ms, int) and left_ms != -1 else None)
+
+    def _mac(self, key: str, raw: str) -> str:
+        if self.secret is None:
+            return ""
+        message = len(key).to_bytes(4, "big") + key.encode("utf-8", "surrogatepass") + raw.encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def _signed(self, key: str, raw: str, mac: str | None) -> bool:
+        """Whether a router of this cluster wrote the entry `raw` under `key` (always, in a cluster without a secret)."""
+        return self.secret is None or isinstance(mac, str) and hmac.compare_digest(mac, self._mac(key, raw))
 
     async def put(self, entry: Conversation) -> bool:
         """Store `entry` unless Redis holds a newer turn of the conversation; whether it was stored."""
@@ -125,8 +153,9 @@ class RedisConversationTable:
         ttl_ms = int((entry.expires_at - now) * 1000)
         if ttl_ms <= 0:
             return False
+        raw = json.dumps(asdict(entry))
         stored = await self._call(lambda: self._put(keys=[self._conversation_prefix + entry.key],
-                                                    args=[entry.order, json.dumps(asdict(entry)), ttl_ms]))
+                                                    args=[entry.order, raw, ttl_ms, self._mac(entry.key, raw)]))
         return stored == 1
 
     async def drop(self, key: str) -> None:

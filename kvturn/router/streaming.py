@@ -136,7 +136,7 @@ class Streaming:
                 backend.honest_usage(chunk.get("usage"))
                 if backend.reports_on(chunk, finish_reason):
                     learned = self.learn_and_trace(chunk.get("kvturn"))
-                    chunk["kvturn"] = self.report(chunk.get("kvturn"), worker_url, learned)
+                    chunk["kvturn"] = self.client_report(chunk.get("kvturn"), worker_url, learned)
                 event = b"data: %s\n\n" % fast_json.dumps(chunk)
                 self.work.pause()
                 yield event

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from kvturn.errors import error_response
 from kvturn.router import fast_json
-from kvturn.router.answers import DecodeAnswer, choice_text
+from kvturn.router.answers import DecodeAnswer, choice_text, concealed
 from kvturn.router.conversations import Conversation
 from kvturn.router.keys import ConversationKey, History
 from kvturn.router.streaming import Streaming
@@ -226,13 +226,18 @@ class Turn(Streaming):
         self.backend.strip_ids(result)
         self.backend.honest_usage(result.get("usage"))
         learned = self.learn_and_trace(result.get("kvturn"))
-        result["kvturn"] = self.report(result.get("kvturn"), worker.url, learned)
+        result["kvturn"] = self.client_report(result.get("kvturn"), worker.url, learned)
         if self.want_kv and kv is not None:
             result["kv_transfer_params"] = kv
         self.router.metrics.requests.labels("ok").inc()
         reply = Response(fast_json.dumps(result), media_type="application/json")
         self.backend.observe_work()
         return reply
+
+    def client_report(self, decode: dict | None, decode_url: str, learned: dict | None) -> dict:
+        """The turn's `kvturn` object as the client gets it (answers.concealed unless internals are exposed)."""
+        report = self.report(decode, decode_url, learned)
+        return report if self.router.config.expose_internals else concealed(report)
 
     def learn_and_trace(self, decode: dict | None) -> dict | None:
         """The turn's end, once D's account of it (`decode`, its `kvturn` report) is in: teach the cost model what

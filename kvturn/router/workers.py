@@ -32,6 +32,10 @@ class WorkerState:
     # A decode worker with a host tier: how long its least recently used lease still in its pool has gone unused, as
     # its last /health said (None: no lease has had to move; router/lease_tier.py)
     pool_horizon_s: float | None = None
+    # A worker found in the registry: its newest signed registration's time (the worker's clock), and until when it
+    # stays in the rotation (ours)
+    announced_at: float = 0.0
+    registered_until: float = 0.0
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)  # seconds; `kvturn plan` simulates it
 
     @property
@@ -114,15 +118,25 @@ class WorkerPool:
     def find(self, url: str) -> WorkerState | None:
         return next((w for w in self.workers if w.url == url), None)
 
-    def follow_registry(self, registered: list[str]) -> None:
-        """Add the workers that registered (healthy once probed); drop those neither registered nor answering. A
-        healthy one stays unregistered: Redis may have lost its data, and the worker registers again next beat."""
-        registered = {url.rstrip("/") for url in registered}
-        for url in sorted(registered - {w.url for w in self.workers}):
-            log.info("%s worker %s registered", self.role, url)
-            self.workers.append(WorkerState(url, self.role, healthy=False, clock=self.clock))
-        for worker in [w for w in self.workers if w.url not in registered | self.static_urls and not w.healthy]:
-            log.warning("%s worker %s is gone (unregistered and not answering)", self.role, worker.url)
+    def follow_registry(self, registered: dict, now: float | None = None) -> None:
+        """Add the workers whose signed registrations (registry.Registration by URL) came (healthy once probed), and
+        extend each one's time in the rotation by its registration's time to live, from when a newer one than any
+        before was first seen: a replayed registration extends nothing. A discovered worker whose registration ran
+        out leaves the rotation even if it still answers its probe (Redis lost its key: it registers again within a
+        beat, well inside its time to live). Workers given on the command line stay."""
+        now = self.clock() if now is None else now
+        for url, registration in sorted(registered.items()):
+            url = url.rstrip("/")
+            worker = self.find(url)
+            if worker is None:
+                log.info("%s worker %s registered", self.role, url)
+                worker = WorkerState(url, self.role, healthy=False, clock=self.clock)
+                self.workers.append(worker)
+            if registration.announced_at > worker.announced_at:
+                worker.announced_at = registration.announced_at
+                worker.registered_until = now + registration.ttl_s
+        for worker in [w for w in self.workers if w.url not in self.static_urls and w.registered_until <= now]:
+            log.warning("%s worker %s left the rotation: its registration was not renewed", self.role, worker.url)
             self.workers.remove(worker)
 
     def mark_dead(self, worker: WorkerState) -> None:

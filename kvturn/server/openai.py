@@ -28,6 +28,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict[str, Any] | None = None
     conversation_id: str | None = Field(default=None, max_length=256)
+    # vLLM's: prompts under different salts share no prefix-cache block (the router sets one per tenant)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     echo: bool = False
 
     @field_validator("stop")

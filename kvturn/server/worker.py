@@ -13,6 +13,7 @@ import httpx
 
 from kvturn.config import WorkerConfig
 from kvturn.engine.async_engine import AsyncEngine
+from kvturn.engine.block_manager import salt_seed
 from kvturn.engine.calibration import time_prefill_steps
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
@@ -223,10 +224,12 @@ class Worker:
         if reads_remote:  # D->P reads need --bidirectional on this worker; P->D reads always happen
             if connector is None:
                 declined = policy.PEER_UNREACHABLE
-            elif not self.peers.may_contact(plan.remote, caller_has_secret):
-                log.warning("request %s named peer %s without the cluster secret; computing instead", request_id,
-                            plan.remote.address)
-                declined = policy.UNTRUSTED_PEER
+            elif refused := self.peers.may_contact(plan.remote, caller_has_secret,
+                                                   LEASE if plan.prefill_for_remote_decode else PIN):
+                # Checked before any contact: the secret is shown only to a peer the cluster itself named.
+                log.warning("request %s named peer %r that this worker may not contact (%s); computing instead",
+                            request_id, plan.remote.address, refused)
+                declined = refused
                 plan = kv_params.KVPlan(plan.prefill_for_remote_decode, None)  # nothing to release there either
             else:
                 resolve_started = time.perf_counter()
@@ -237,7 +240,7 @@ class Worker:
                     declined = resolved
                 else:
                     remote = resolved
-        seq = Sequence(request_id, prompt, params, remote=remote, retain=retain)
+        seq = Sequence(request_id, prompt, params, remote=remote, retain=retain, hash_seed=salt_seed(body.cache_salt))
         seq.first_token_id = self.prefill_first_token(plan, remote, params, caller_has_secret)
         seq.timing.arrival = arrival
         seq.timing.tokenize_s = tokenized - arrival
@@ -266,7 +269,8 @@ class Worker:
         if seq.retained is None:
             return None
         kind = PIN if seq.retain.release_after_read else LEASE
-        binding = self.peers.binding(kind, self.engine_id, seq.retain.conversation_key, seq.retained)
+        binding = self.peers.binding(kind, self.engine_id, f"{self.advertise_host}:{self.config.port}",
+                                     seq.retain.conversation_key, seq.retained)
         return kv_params.retention_params(seq.retained, self.engine_id, seq.request_id, self.advertise_host,
                                           self.config.port, for_decode=seq.retain.release_after_read, binding=binding)
 
