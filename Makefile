@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 export KVTURN_CACHE_DIR ?= $(CURDIR)/.kvturn-cache
 
-.PHONY: install test test-unit test-vllm fuzz demo demo-real bench-engine bench-transfer clean
+.PHONY: install test test-unit test-vllm test-clients fuzz demo demo-real bench-engine bench-transfer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ test-unit: install
 test-vllm: install
 	bash scripts/vllm_env.sh
 	KVTURN_VLLM_VENV=$(CURDIR)/.venv-vllm $(PY) -m pytest -q tests/test_vllm_integration.py
+
+# Opt-in: the field's outside benchmark clients (NVIDIA AIPerf, ABench), unchanged, against `kvturn serve` with
+# bidirectional transfer on and off; they get their own venv (~1 GB, a few minutes once). ~4 min on 2 cores.
+test-clients: install
+	bash scripts/clients_env.sh
+	KVTURN_CLIENTS_VENV=$(CURDIR)/.venv-clients $(PY) -m pytest -q tests/test_clients.py
 
 # The hostile-input tests with a long random hypothesis profile instead of the fixed one `make test` runs.
 fuzz: install

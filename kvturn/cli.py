@@ -5,6 +5,7 @@ from typing import Optional
 
 import typer
 
+from kvturn.bench import catalog
 from kvturn.config import (ConfigError, ConnectorConfig, EngineConfig, RouterConfig, SupervisorConfig,
                            WorkerConfig, default_of, help_of)
 
@@ -88,6 +89,7 @@ def worker(
     register: Optional[str] = option(WorkerConfig, "register_url", "--register"),
     register_ttl_s: float = option(WorkerConfig, "register_ttl_s"),
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
+    otlp_traces_endpoint: Optional[str] = option(WorkerConfig, "otlp_traces_endpoint"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
@@ -128,7 +130,8 @@ def worker(
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,
                    unread_stream_timeout_s=unread_stream_timeout_s, max_body_mb=max_body_mb, register_url=register,
-                   register_ttl_s=register_ttl_s, calibrate=calibrate, engine=engine, connector=connector)
+                   register_ttl_s=register_ttl_s, calibrate=calibrate,
+                   otlp_traces_endpoint=otlp_traces_endpoint or None, engine=engine, connector=connector)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
 
@@ -161,6 +164,8 @@ def router(
                                               "--vllm-retain-streamed-turns/--no-vllm-retain-streamed-turns"),
     vllm_retention_lease_s: float = option(RouterConfig, "vllm_retention_lease_s"),
     trace_out: Optional[str] = option(RouterConfig, "trace_out"),
+    session_header: list[str] = option(RouterConfig, "session_headers", "--session-header"),
+    otlp_traces_endpoint: Optional[str] = option(RouterConfig, "otlp_traces_endpoint"),
     log_level: str = typer.Option("info"),
 ):
     """Run the KV-aware router in front of prefill and decode workers."""
@@ -178,7 +183,8 @@ def router(
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
-                   vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None)
+                   vllm_retention_lease_s=vllm_retention_lease_s, trace_out=trace_out or None,
+                   session_headers=session_header, otlp_traces_endpoint=otlp_traces_endpoint or None)
     setup_logging(log_level)
     run_server(create_app(config), host, port)
 
@@ -270,14 +276,11 @@ def serve(
 def bench(
     url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
     compare: bool = typer.Option(False, "--compare", help="launch each local deployment leg in turn and compare"),
-    scenario: str = typer.Option("sweep", help="sweep, no-reuse, resume-after-ttl, edited-history, short-turns, "
-                                               "concurrent, agent-loop, coding-agent"),
+    scenario: str = typer.Option("sweep", help=catalog.scenarios_help()),
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="JSON workload: vLLM's conversation list, "
                                                                           "its generate_conversations config, or a "
                                                                           "kvturn_synthetic config"),
-    legs: Optional[str] = typer.Option(None, help="legs to run with --compare (default: the scenario's; coding-agent: "
-                                              "pd/P-cache-off,bidir/P-cache-off,adaptive; the others: colocated,"
-                                              "pd/P-cache-on,pd/P-cache-off,bidir/P-cache-on,bidir/P-cache-off)"),
+    legs: Optional[str] = typer.Option(None, help=catalog.legs_help()),
     repeats: int = typer.Option(1, "--repeats", min=1, help="with --compare: run the legs this many times, "
                                 "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
@@ -305,7 +308,7 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import catalog, client, compare as comparison, report, spread, workload
+    from kvturn.bench import client, compare as comparison, report, spread, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -338,7 +341,7 @@ def bench(
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
     if compare:
-        chosen = chosen_legs(legs) if legs else list(spec.legs or catalog.DEFAULT_LEGS)
+        chosen = chosen_legs(legs) if legs else list(catalog.default_legs(scenario))
         runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
                                       out_dir / "logs", console, source, sessions, pin_workers)
     else:
@@ -424,7 +427,8 @@ MAX_PLAN_SESSIONS, MAX_PLAN_TURNS, MAX_PLAN_PROMPT_TOKENS = 10_000, 1_000, 2**20
 def plan(
     workload_file: Optional[Path] = typer.Option(None, "--workload", help="what kvturn bench --workload takes, or a "
                                                                           "JSONL trace (kvturn router --trace-out)"),
-    scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file"),
+    scenario: Optional[str] = typer.Option(None, help="a kvturn bench scenario instead of a file: "
+                                                      + ", ".join(catalog.SCENARIOS)),
     calibration_files: list[Path] = typer.Option(..., "--calibration", metavar="FILE",
                                                  help="a kvturn bench --compare results JSON from this hardware "
                                                  "(fitted to its workers' steps in service), or a saved "

@@ -127,6 +127,9 @@ class WorkerConfig:
                                              "started with --discover (as http://ADVERTISE_HOST:PORT)")
     register_ttl_s: float = setting(10.0, "a registration not renewed for this long expires (renewed three times "
                                           "as often), s")
+    otlp_traces_endpoint: str | None = setting(None, "OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces (default: the "
+                                                       "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                                                       "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     calibrate: bool = setting(True, "time a few prefill steps at start-up (~1 s on a CPU core with the embedded "
                                     "model) and serve them at /kv/calibration: routers predict the first turns "
                                     "from this machine's speed")
@@ -202,6 +205,15 @@ class RouterConfig:
     vllm_retention_lease_s: float = setting(30.0, "vLLM backend: how long decode keeps what a retention call "
                                                   "retained (its kv_lease_duration); the router forgets it "
                                                   "5 s sooner")
+    otlp_traces_endpoint: str | None = setting(None, "OTLP/HTTP URL to send traces to, e.g. http://collector:4318/v1/traces (default: the "
+                                                       "standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                                                       "OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
+    session_headers: list[str] = setting(["X-Conversation-Id", "X-Session-ID", "X-Dynamo-Session-ID",
+                                          "X-SMG-Routing-Key", "X-Correlation-ID", "x-claude-code-session-id",
+                                          "session-id"],
+                                         "request header that names a conversation (repeat for several; the "
+                                         "first one a request carries wins; the body's conversation_id beats "
+                                         "them all)")
     trace_out: str | None = setting(None, "append one JSON line per finished turn to this file (arrival time, the "
                                           "scoped conversation digest, prompt and output tokens, finish time): "
                                           "the traffic record kvturn plan reads")
@@ -225,6 +237,8 @@ class RouterConfig:
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.vllm_retention_lease_s > 5, "vllm_retention_lease_s must be above 5 s")
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
+        _check(all(h and h.isascii() and ":" not in h and not any(c.isspace() for c in h)
+                   for h in self.session_headers), "a session header must be an HTTP header name")
 
 
 @dataclass(slots=True)

@@ -95,16 +95,22 @@ def build_app(port: int, config_path: Path, log_path: Path, model_dir: Path):
             choice = {"index": 0, "finish_reason": "length", "token_ids": answer}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else
                           {"text": text, "prompt_token_ids": ids})
-            result = {"id": "chatcmpl-fake", "choices": [choice], "kv_transfer_params": kv,
-                      "usage": {"prompt_tokens": len(ids), "completion_tokens": len(answer)}}
+            result = {"id": "chatcmpl-fake", "choices": [choice], "kv_transfer_params": kv, "usage": usage(ids, answer)}
             if chat:
                 result["prompt_token_ids"] = ids
             return Response(json.dumps(result, separators=COMPACT), media_type="application/json")
         streamed = script.get("stream_kv_params")
-        return StreamingResponse(stream(ids, answer, kv if streamed is True else streamed, chat),
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(stream(ids, answer, kv if streamed is True else streamed, chat, include_usage),
                                  media_type="text/event-stream")
 
-    def stream(ids: list[int], answer: list[int], kv, chat: bool):
+    def usage(ids: list[int], answer: list[int]) -> dict:
+        """A decode's usage as vLLM's with --enable-prompt-tokens-details: every prompt token counted cached, read
+        from P or found in D's own cache."""
+        return {"prompt_tokens": len(ids), "completion_tokens": len(answer),
+                "prompt_tokens_details": {"cached_tokens": len(ids)}}
+
+    def stream(ids: list[int], answer: list[int], kv, chat: bool, include_usage: bool):
         def chunk(piece: str, choice: dict, **extra) -> str:
             choice = {"index": 0, **({"delta": {"content": piece}} if chat else {"text": piece}), **choice}
             return f"data: {json.dumps({'id': 'chatcmpl-fake', 'choices': [choice], **extra}, separators=COMPACT)}\n\n"
@@ -116,6 +122,8 @@ def build_app(port: int, config_path: Path, log_path: Path, model_dir: Path):
             if not chat and i == 0:
                 choice["prompt_token_ids"] = ids
             yield chunk(tokenizer.decode([token]), choice, **extra)
+        if include_usage:
+            yield f"data: {json.dumps({'id': 'chatcmpl-fake', 'choices': [], 'usage': usage(ids, answer)})}\n\n"
         yield "data: [DONE]\n\n"
 
     async def received(request: Request) -> tuple[dict, dict]:

@@ -182,6 +182,28 @@ def test_every_scenario_starts_workers_whose_settings_are_accepted(name):
         ConnectorConfig(**{names[flag]: type(defaults[names[flag]])(value) for flag, value in flags.items()})
 
 
+def test_bench_help_lists_every_scenario_and_leg_and_each_scenarios_default_legs():
+    from typer.testing import CliRunner
+
+    from kvturn.bench.catalog import LEGS, RETENTION_LEGS
+    from kvturn.cli import app
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "2000"}, terminal_width=2000)
+    text = " ".join(result.output.replace("│", " ").split())  # the help box's lines joined
+    for name in SCENARIOS:
+        assert f"{name}: {SCENARIOS[name].description}" in text, name
+        assert f"{name}" in text.split("(default, by scenario:")[1], name
+    for leg in LEGS:
+        assert leg in text, leg
+    assert f"memory-pressure: {','.join(RETENTION_LEGS)}" in text
+
+
+def test_a_scenarios_default_legs_are_the_ones_it_is_about():
+    from kvturn.bench.catalog import DEFAULT_LEGS, RETENTION_LEGS, default_legs
+    assert default_legs("memory-pressure") == RETENTION_LEGS
+    assert default_legs("coding-agent") == ("pd/P-cache-off", "bidir/P-cache-off", "adaptive")
+    assert default_legs("sweep") == DEFAULT_LEGS
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"filetype": "kvturn_synthetic", "num_sessions": 2.5}', "num_sessions must be a whole number"),
     ('{"filetype": "kvturn_synthetic", "new_tokens": {"distribution": "uniform", "min": 1, "max": NaN}}',

@@ -108,3 +108,25 @@ def test_ids_are_taken_from_body_then_headers_never_truncated():
     assert keys.explicit_id({}, {"X-Conversation-Id": "conv", "X-Session-ID": "session"}) == "conv"
     assert keys.explicit_id({}, {"X-Session-ID": "session"}) == "session"
     assert keys.explicit_id({"conversation_id": "y" * 256}, {}) == "y" * 256
+
+
+def test_a_routers_list_of_session_headers_says_which_are_read_and_in_what_order():
+    sent = {"X-SMG-Routing-Key": "smg", "session-id": "codex"}
+    assert keys.explicit_id({}, sent) == "smg"
+    assert keys.explicit_id({}, sent, ["session-id", "X-SMG-Routing-Key"]) == "codex"
+    assert keys.explicit_id({}, sent, ["X-Conversation-Id"]) is None
+    with pytest.raises(BadRequest, match="X-Correlation-ID"):
+        keys.explicit_id({}, {"X-Correlation-ID": "c" * 257})
+
+
+@pytest.mark.parametrize("value, final", [("true", True), ("True", True), (" true ", True), ("false", False),
+                                          ("1", False), (None, False)])
+def test_dynamos_final_header_ends_the_session_only_when_true(value, final):
+    assert keys.ends_session({} if value is None else {"X-Dynamo-Session-Final": value}) is final
+
+
+@pytest.mark.parametrize("header", ["", "two words", "X-Id:", "X-Ïd"])
+def test_a_session_header_must_be_an_http_header_name(header):
+    from kvturn.config import ConfigError, RouterConfig
+    with pytest.raises(ConfigError, match="session header"):
+        RouterConfig(prefill_urls=["http://p"], decode_urls=["http://d"], session_headers=["X-Session-ID", header])

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from chat import conversation, metric, send, user_message
+from chat import SYSTEM, conversation, metric, send, user_message
 from kvturn.config import SERVER_KEEP_ALIVE_S
 from kvturn.launch import LocalStack
 from kvturn.plan import trace
@@ -363,3 +363,56 @@ def test_pinned_workers_run_on_their_own_cores_and_answer_the_same(stacks, refer
     assert os.sched_getaffinity(stack.processes["router"].pid) == set(cores)
     _, results = conversation(stack.url, 2, conversation_id="pinned")
     assert [r["text"] for r in results] == [r["text"] for r in reference[1][:2]]
+
+
+# The usage tests come last, after the keep-alive test's idle wait; each opens with a system prompt of its own, so
+# that no earlier turn left its prefix in a worker's cache (nor theirs in another test's).
+
+def cached(result: dict) -> int:
+    return result["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def own_start(name: str) -> list[dict]:
+    return [{"role": "system", "content": f"Usage test {name}. " + SYSTEM}]
+
+
+def test_usage_counts_as_cached_only_what_the_turn_did_not_compute_when_it_pulls_the_history(stacks):
+    """P's cache off: the history read back from D is what was not computed; the prompt D read from P was (by P).
+    The first turn, P/D with nothing to reuse, computed all of its prompt."""
+    _, results = conversation(stacks["bidir"].url, 3, "usage-pull", own_start("pull"))
+    assert cached(results[0]) == 0 and results[0]["kvturn"]["decode"]["prompt_tokens_remote"] > 0
+    for result in results[1:]:  # one whole answer, one streamed
+        kv = result["kvturn"]
+        assert kv["reuse"] == "reused" and kv["prompt_tokens_cached_prefill"] == 0
+        assert cached(result) == kv["prompt_tokens_from_decode"] > 0
+        assert cached(result) == result["usage"]["prompt_tokens"] - kv["prompt_tokens_computed_prefill"]
+
+
+def test_usage_counts_prefills_cache_hits_and_the_history_read_from_decode_as_cached(stacks):
+    """P's cache on holds the first prompt; a long answer (past the reuse threshold) is read back from D."""
+    url, messages = stacks["bidir2"].url, own_start("pull-cache-on") + [user_message(0)]
+    first = send(url, messages, "usage-pull-cache-on", stream=False, max_tokens=96)
+    messages += [{"role": "assistant", "content": first["text"]}, user_message(1)]
+    second = send(url, messages, "usage-pull-cache-on", stream=False)
+    kv = second["kvturn"]
+    assert kv["reuse"] == "reused" and kv["prompt_tokens_cached_prefill"] > 0 and kv["prompt_tokens_from_decode"] > 0
+    assert cached(second) == kv["prompt_tokens_cached_prefill"] + kv["prompt_tokens_from_decode"]
+    assert cached(second) == second["usage"]["prompt_tokens"] - kv["prompt_tokens_computed_prefill"]
+
+
+def test_usage_counts_prefills_cache_hits_alone_as_cached_when_prefill_recomputes(stacks):
+    """P/D without bidirectional transfer: D read the whole prompt from P or its own cache, but P computed what its
+    cache did not hold."""
+    _, results = conversation(stacks["pd"].url, 3, "usage-recompute", own_start("recompute"))
+    assert cached(results[0]) == 0
+    for result in results[1:]:
+        kv = result["kvturn"]
+        assert kv["prompt_tokens_from_decode"] == 0 and kv["decode"]["prompt_tokens_computed"] == 0
+        assert cached(result) == kv["prompt_tokens_cached_prefill"] > 0
+
+
+def test_a_colocated_workers_usage_counts_its_prefix_cache_hits_as_cached(stacks):
+    _, results = conversation(stacks["colocated"].url, 3, "usage-colocated", own_start("colocated"))
+    assert cached(results[0]) == 0
+    for result in results[1:]:
+        assert cached(result) == result["kvturn"]["prompt_tokens_cached"] > 0

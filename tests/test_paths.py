@@ -145,6 +145,10 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(stack
     assert later["bytes_d_to_p"] == 0 and later["bytes_p_to_d"] == 0 and later["prefill_worker"] == ""
     decode = later["decode"]
     assert decode["prompt_tokens_cached"] > 0 and decode["prompt_tokens_computed"] < decode["prompt_tokens_cached"]
+    for result in results[1:]:  # one whole answer, one streamed: what D did not compute is its own cache's
+        assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == result["kvturn"]["decode"][
+            "prompt_tokens_cached"] > 0
+    assert results[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # P computed it all, D read it
     _, reference = conversation(colocated.url, 3, conversation_id="reference")
     assert [r["text"] for r in results] == [r["text"] for r in reference]
 

@@ -23,6 +23,9 @@ from kvturn.router.keys import scope_of, scoped
 
 K1, K2 = "tenant-one-key-0123456789", "tenant-two-key-9876543210"
 MAX_CONVERSATIONS = 3
+BOUNDED_SESSION_HEADERS = ("X-Agent-Session", "X-Session-ID")  # the bounded router's own list of session headers
+SESSION_HEADERS = ("X-Conversation-Id", "X-Session-ID", "X-Dynamo-Session-ID", "X-SMG-Routing-Key", "X-Correlation-ID",
+                   "x-claude-code-session-id", "session-id")  # the documented order
 DECLINE = "kvturn_kv_reuse_declines_total"
 
 
@@ -60,7 +63,8 @@ def deployment(tiny_model_dir, tmp_path_factory):
             launch.wait_healthy(url, stack.processes[name])
         routers = {}
         for name, extra in (("keyed", ["--api-key", K1, "--api-key", K2]),
-                            ("bounded", ["--max-conversations", str(MAX_CONVERSATIONS)])):
+                            ("bounded", ["--max-conversations", str(MAX_CONVERSATIONS),
+                                         *(a for h in BOUNDED_SESSION_HEADERS for a in ("--session-header", h))])):
             port = launch.free_port()
             routers[name] = f"http://127.0.0.1:{port}"
             processes.append(launch.start(["router", "--port", str(port), "--prefill", stack.urls["prefill"],
@@ -435,6 +439,64 @@ def test_a_conversation_named_by_x_session_id_reuses_on_its_second_turn(deployme
     later = next_turn(messages, turn1["choices"][0]["message"]["content"], "Next step?")
     turn2 = ok(chat(d.router, later, headers=session))["kvturn"]
     assert turn2["reuse"] == "reused" and turn2["prompt_tokens_from_decode"] > 0
+
+
+def two_turns(router: str, header: dict, text: str, second_header: dict | None = None) -> tuple[dict, dict]:
+    """A conversation's two turns named by `header` (the second by `second_header`, if given): their kvturn objects."""
+    messages = opening(text)
+    turn1 = ok(chat(router, messages, headers=header))
+    later = next_turn(messages, turn1["choices"][0]["message"]["content"], "And then?")
+    return turn1["kvturn"], ok(chat(router, later, headers=second_header or header))["kvturn"]
+
+
+@pytest.mark.parametrize("name", SESSION_HEADERS[2:])
+def test_a_conversation_named_by_any_routers_session_header_reuses_on_its_second_turn(deployment, name):
+    turn1, turn2 = two_turns(deployment.router, {name: f"{name}-session"}, f"A client that sends only {name}.")
+    assert turn1["conversation_id"] == turn2["conversation_id"] == f"{name}-session"
+    assert turn2["reuse"] == "reused" and turn2["prompt_tokens_from_decode"] > 0
+
+
+def test_session_headers_are_taken_in_the_documented_order(deployment):
+    headers = {name: f"from-{name}" for name in SESSION_HEADERS}
+    for name in SESSION_HEADERS:
+        named = ok(chat(deployment.router, opening("order"), headers=headers))["kvturn"]["conversation_id"]
+        assert named == f"from-{name}"
+        del headers[name]
+
+
+def test_a_routers_own_session_headers_replace_the_default_list(deployment):
+    bounded = deployment.bounded_router
+    ours = {"X-Agent-Session": "agent-named", "X-Session-ID": "vllm-named"}
+    assert ok(chat(bounded, opening("own list"), headers=ours))["kvturn"]["conversation_id"] == "agent-named"
+    unknown = ok(chat(bounded, opening("own list"), headers={"X-Conversation-Id": "not-read-here"}))["kvturn"]
+    assert unknown["conversation_id"].startswith("derived-")
+
+
+def test_a_session_header_names_a_conversation_in_its_tenants_namespace_only(deployment):
+    keyed, one, two = deployment.keyed_router, {"Authorization": f"Bearer {K1}"}, {"Authorization": f"Bearer {K2}"}
+    session = {"X-Dynamo-Session-ID": "shared-name"}
+    _, other = two_turns(keyed, one | session, "One tenant's session.", second_header=two | session)
+    assert other["reuse"] != "reused" and not other["prompt_tokens_from_decode"]
+    _, own = two_turns(keyed, one | session, "One tenant's session.")  # the control: the owner reuses
+    assert own["reuse"] == "reused"
+
+
+def test_dynamos_session_final_header_releases_the_lease_once_answered(deployment):
+    d = deployment
+    released = lambda: metric(d.decode, "kvturn_kv_leases_total", '{event="released"}')
+    session = {"X-Dynamo-Session-ID": "dynamo-final"}
+    messages = opening("A Dynamo client's session.")
+    turn1 = ok(chat(d.router, messages, headers=session))
+    before = released()
+    last = next_turn(messages, turn1["choices"][0]["message"]["content"], "Last step.")
+    final = ok(chat(d.router, last, headers=session | {"X-Dynamo-Session-Final": "true"}))
+    assert final["kvturn"]["reuse"] == "reused"
+    deadline = time.monotonic() + 30  # the release follows the answer, in the router's background
+    while released() == before:
+        assert time.monotonic() < deadline, "the session's lease was not released"
+        time.sleep(0.1)
+    again = next_turn(last, final["choices"][0]["message"]["content"], "One more?")
+    assert ok(chat(d.router, again, headers=session))["kvturn"]["reuse"] is None  # nothing left to read
 
 
 # ---- 6. a huge history without an id does not stall the router

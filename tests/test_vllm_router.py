@@ -94,6 +94,20 @@ def reuse_of_three_turns(url: str, conversation_id: str) -> list[tuple]:
             for r in replies]
 
 
+def test_usage_counts_as_cached_what_prefill_did_not_compute_not_what_decode_read_from_it(workers, tmp_path):
+    """vLLM's decode counts the prompt it loaded from P as cached; the turn computed it on P. What P did not compute
+    (its cache and what it loaded from D) is what P's params say."""
+    with router(workers, tmp_path) as url:
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, user_message(0)]
+        first = send(url, messages, "conv-usage", stream=False)
+        messages += [{"role": "assistant", "content": first["text"]}, user_message(1)]
+        second = send(url, messages, "conv-usage", stream=True)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    passed = second["kvturn"]["tokens_passed"]
+    assert second["kvturn"]["reuse"] == "passed" and 0 < passed < second["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == passed
+
+
 def test_a_local_tokenizer_caps_reuse_exactly_as_the_backends_tokenize(workers, tiny_model_dir, tmp_path):
     prefill, _ = workers
     with router(workers, tmp_path) as url:

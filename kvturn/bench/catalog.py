@@ -4,9 +4,10 @@ and off, the cache-miss emulation of vLLM's published run; the three paths of a 
 scenarios, each a workload plus the deployment settings it needs, including the cases where reuse cannot or
 should not help."""
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvturn.bench import workload
-from kvturn.bench.coding_agent import coding_agent
+if TYPE_CHECKING:  # the workloads (numpy) are imported when one is built: the command line's help reads this file
+    from kvturn.bench import workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,16 +94,37 @@ SCENARIOS = {
                              legs=("pd/P-cache-off", "bidir/P-cache-off", "adaptive")),
     "memory-pressure": Scenario("memory-pressure", "32 live sessions of 1-2.5k tokens with 5-15 s think times: "
                                                    "five times what the retention legs' pool budget holds",
-                                sessions=32),
+                                sessions=32, legs=RETENTION_LEGS),
     "real-chat": Scenario("real-chat", "for a real model (kvturn models pull smollm2): one readable agent session, "
                                        "each turn pasting Python standard-library source as a tool result and "
                                        "asking about it; answers end at the model's end of turn",
-                          ignore_eos=False, show_conversation=True),
+                          ignore_eos=False, show_conversation=True,
+                          legs=("pd/P-cache-off", "bidir/P-cache-off")),
 }
 
 
-def build_workload(scenario: str, source: workload.TextSource, seed: int, max_prompt_tokens: int,
-                   turns: int) -> list[workload.Conversation]:
+def default_legs(scenario: str) -> tuple[str, ...]:
+    """What `kvturn bench --compare --scenario NAME` runs without --legs."""
+    return SCENARIOS[scenario].legs or DEFAULT_LEGS
+
+
+def scenarios_help() -> str:
+    """Every scenario with what it is, for `kvturn bench --help`."""
+    return "; ".join(f"{name}: {spec.description}" for name, spec in SCENARIOS.items())
+
+
+def legs_help() -> str:
+    """Every leg, and each scenario's default legs, for `kvturn bench --help`."""
+    defaults: dict[tuple[str, ...], list[str]] = {}
+    for name in SCENARIOS:
+        defaults.setdefault(default_legs(name), []).append(name)
+    by_scenario = "; ".join(f"{', '.join(names)}: {','.join(legs)}" for legs, names in defaults.items())
+    return f"legs to run with --compare, comma-separated, from {', '.join(LEGS)} (default, by scenario: {by_scenario})"
+
+
+def build_workload(scenario: str, source: "workload.TextSource", seed: int, max_prompt_tokens: int,
+                   turns: int) -> "list[workload.Conversation]":
+    from kvturn.bench import workload
     if scenario == "sweep":
         lengths = [n for n in (1024, 2048, 4096, 8192, 16384, 24576) if n <= max_prompt_tokens] or [max_prompt_tokens]
         return workload.sweep(source, seed, lengths, turns=turns, new_tokens=150, answer_tokens=32)
@@ -135,6 +157,7 @@ def build_workload(scenario: str, source: workload.TextSource, seed: int, max_pr
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
     if scenario == "coding-agent":
+        from kvturn.bench.coding_agent import coding_agent
         return coding_agent(source, seed, max_prompt_tokens, SCENARIOS[scenario].sessions)
     if scenario == "memory-pressure":
         spec = workload.SyntheticSpec(num_sessions=32, system_tokens={"distribution": "uniform", "min": 1000,

@@ -21,6 +21,7 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
 from kvturn.kv_transfer import policy
+from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
 from kvturn.kv_transfer.leases import LeaseTable
 from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
@@ -65,6 +66,8 @@ class ConnectorStats:
     host_restores: int = 0  # turns whose history this worker copied back from its own host tier
     host_restore_bytes: int = 0
     host_restore_seconds: float = 0.0
+    read_seconds: Buckets = field(default_factory=lambda: Buckets(READ_SECONDS_BOUNDS))  # each read's, for vLLM's names
+    read_bytes: Buckets = field(default_factory=lambda: Buckets(READ_BYTES_BOUNDS))
 
 
 @dataclass(slots=True)
@@ -266,6 +269,8 @@ class KVConnector:
         stats.reads_by_tier[seq.kv_tier] += 1
         stats.read_bytes_by_tier[seq.kv_tier] += nbytes
         stats.read_seconds_by_tier[seq.kv_tier] += elapsed
+        stats.read_seconds.observe(elapsed)
+        stats.read_bytes.observe(nbytes)
         self.engine.finish_loading(seq)
         if decision.whole_prompt:
             self.engine.append_token(seq, seq.remote.first_token_id)

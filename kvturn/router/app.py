@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvturn import tracing
 from kvturn.config import RouterConfig, is_redis_url
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
 from kvturn.kv_transfer.params import SECRET_HEADER
@@ -27,6 +28,8 @@ from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
 from kvturn.router.turn import Turn
+from kvturn.router.turn_metrics import TurnMetrics
+from kvturn.router.turn_span import TurnSpan
 from kvturn.router.upstream import TimedOut, Unreachable, Upstream
 from kvturn.router.vllm_backend import VLLMBackend
 from kvturn.router.vllm_workers import VLLMWorkers
@@ -81,6 +84,7 @@ class Router:
         self.prefill = WorkerPool(config.prefill_urls, "prefill")
         self.decode = WorkerPool(config.decode_urls, "decode")
         self.metrics = RouterMetrics()
+        self.turn_metrics = TurnMetrics(self.metrics.registry)
         self.tokenizer = None  # the model's, when --tokenizer names it: counts a prompt's tokens (turn_costs.py)
         self.text_tokens: keys.TextTokens | None = None  # ...and its messages' texts, each counted once
         if config.tokenizer_dir:
@@ -100,6 +104,7 @@ class Router:
             self.registry = WorkerRegistry(config.discover_url, config.cluster_secret,
                                            lambda reason: self.metrics.registrations_refused.labels(reason).inc())
         self.trace = TraceOut(config.trace_out)
+        self.traces = tracing.Tracing.start("router", config.otlp_traces_endpoint)  # None: no OpenTelemetry
         self.http: Upstream | None = None
         self._revival: asyncio.Task | None = None  # the probe of dead workers that waiting turns share
 
@@ -117,6 +122,8 @@ class Router:
         await self.http.close()
         await self.table.close()
         self.trace.close()
+        if self.traces is not None:
+            self.traces.close()
         if self.registry:
             await self.registry.close()
 
@@ -207,7 +214,7 @@ class Router:
 
     async def conversation(self, body: dict, request: Request, chat: bool, scope: str):
         """(ConversationKey or None, History or None) of a request."""
-        client_id = keys.explicit_id(body, request.headers)
+        client_id = keys.explicit_id(body, request.headers, self.config.session_headers)
         messages = body.get("messages")
         history = None
         if chat and isinstance(messages, list):
@@ -296,11 +303,13 @@ def create_app(config: RouterConfig) -> FastAPI:
         want_kv = bool(body.pop("return_kv_transfer_params", False)) or request.headers.get(RETURN_KV_HEADER) == "1"
         want_kv = want_kv and config.expose_internals  # a lease handle and its MAC are the cluster's
         body.pop("kv_transfer_params", None)  # only the router decides what workers read
-        end_session = body.pop("end_session", None) is True  # the last turn: release its KV once answered
+        # the last turn: release its KV once answered
+        end_session = body.pop("end_session", None) is True or keys.ends_session(request.headers)
         salt = keys.cache_salt(scope, body.pop("cache_salt", None), config.cluster_secret)
         if salt is not None:
             body["cache_salt"] = salt  # tenants share compute, not cached prefixes
         conversation, history = await router.conversation(body, request, chat, scope)
+        span = TurnSpan(router.traces, request.headers) if router.traces is not None else None
         # A turn that finds no prefill or decode worker, or loses the last one before its answer began (a 503),
         # waits for one to come back within no_worker_wait_s and runs again: a restarted worker carries it over.
         deadline = asyncio.get_running_loop().time() + config.no_worker_wait_s
@@ -309,12 +318,15 @@ def create_app(config: RouterConfig) -> FastAPI:
             backend = VLLMWorkers if router.vllm.serves(router.prefill.workers) else KvturnWorkers
             if not backend.reports_own_work:
                 work = IdleClock()
-            response = await Turn(router, path, chat, body, conversation, history, want_kv, work, backend).run()
+            turn = Turn(router, path, chat, body, conversation, history, want_kv, work, backend, span)
+            response = await turn.run()
             if response.status_code != 503 or router.has_workers() or not await router.wait_for_workers(deadline):
                 if end_session and conversation is not None:
                     sessions.ending_after(response, router, conversation)
+                if span is not None:
+                    span.end_after(response, turn)
                 return response
-            router.metrics.retries.labels("worker_back").inc()
+            turn.retried("worker_back")
 
     sessions.mount(app, router)
     return app

@@ -1,7 +1,10 @@
 """Which conversation a request belongs to, and whose it is.
 
-A conversation id comes, in this order of precedence, from the body's `conversation_id`, the header
-`X-Conversation-Id`, or vLLM's `X-Session-ID`; a chat request without any is named by its history: the
+A conversation id comes, in this order of precedence, from the body's `conversation_id`, then the first of the
+router's session headers the request carries (`--session-header`; by default kvturn's `X-Conversation-Id`, vLLM's
+`X-Session-ID`, Dynamo's `X-Dynamo-Session-ID`, SGLang's gateway's `X-SMG-Routing-Key`, AIPerf's
+`X-Correlation-ID`, Claude Code's `x-claude-code-session-id`, Codex's `session-id`); a chat request without any is
+named by its history: the
 router remembers the hash of each turn's history plus the answer it returned, and a later request whose
 messages extend such a history continues that conversation. Ids are strings of at most 256 characters,
 never truncated. With API keys, every id lives in its key's own namespace (`scope`), so one tenant can
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 
 import orjson
 
+from kvturn.config import RouterConfig, default_of
 from kvturn.errors import BadRequest
 
 MAX_ID_CHARS = 256
-ID_HEADERS = ("X-Conversation-Id", "X-Session-ID")
+ID_HEADERS = tuple(default_of(RouterConfig, "session_headers"))
+FINAL_HEADER = "X-Dynamo-Session-Final"  # Dynamo's: "true" on a session's last turn, as the body's end_session
 _TEXT = (str, type(None))  # a message's role and content that orjson writes exactly as json does
 
 
@@ -55,12 +60,13 @@ def cache_salt(scope: str, client_salt, secret: str | None) -> str | None:
     return hashlib.sha256(material).hexdigest()
 
 
-def explicit_id(body: dict, headers) -> str | None:
-    """The conversation id the client named, validated as the worker validates it."""
+def explicit_id(body: dict, headers, id_headers=ID_HEADERS) -> str | None:
+    """The conversation id the client named (the body's, else the first of `id_headers` it sent), validated as the
+    worker validates it."""
     value = body.pop("conversation_id", None)
     source = "conversation_id"
     if value is None:
-        for header in ID_HEADERS:
+        for header in id_headers:
             if headers.get(header) is not None:
                 value, source = headers.get(header), header
                 break
@@ -71,6 +77,11 @@ def explicit_id(body: dict, headers) -> str | None:
     if len(value) > MAX_ID_CHARS:
         raise BadRequest(f"{source} is {len(value)} characters; at most {MAX_ID_CHARS}", param="conversation_id")
     return value
+
+
+def ends_session(headers) -> bool:
+    """Whether the client says this turn is its session's last (Dynamo's header)."""
+    return (headers.get(FINAL_HEADER) or "").strip().lower() == "true"
 
 
 def _message_bytes(message) -> bytes:

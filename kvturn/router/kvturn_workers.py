@@ -76,6 +76,14 @@ class KvturnWorkers(TurnBackend):
             return first
         return None
 
+    def cached_tokens(self) -> int | None:
+        """P's account when P computed the prompt (its prefix-cache hits and the history read from D's lease); on
+        the decode worker's path, D's own (its cache), which its usage says already."""
+        prefill = self.turn.prefill.get("kvturn")
+        if self.computes_on_decode or not isinstance(prefill, dict):
+            return None
+        return int(prefill.get("prompt_tokens_cached") or 0) + int(prefill.get("prompt_tokens_remote") or 0)
+
     def reports_on(self, chunk: dict, finish_reason: str | None) -> bool:
         return "kvturn" in chunk  # D's report of the request, on its last chunk
 

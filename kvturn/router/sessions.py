@@ -9,8 +9,9 @@ channel with the cluster secret (`POST /kv/conversation/release`), and forgets t
 the router no longer knows (its entry expired, or another router replica's table lost it) is released on every
 kvturn decode worker: the scoped key matches nothing but that conversation's own lease there.
 
-A client may instead end the session with its last turn: `"end_session": true` in that request's body releases the
-lease the turn leaves, once its answer is sent (the one way to end a conversation named by its history alone).
+A client may instead end the session with its last turn: `"end_session": true` in that request's body (or Dynamo's
+header `X-Dynamo-Session-Final: true`) releases the lease the turn leaves, once its answer is sent (the one way to
+end a conversation named by its history alone).
 """
 import asyncio
 import logging

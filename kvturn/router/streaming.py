@@ -79,7 +79,7 @@ class Streaming:
         opened = await self.open_decode(d_body)
         while (isinstance(opened, Response) and opened.status_code == 503 and not router.decode.healthy()
                and await self.waiting(router.wait_for_workers(deadline))):
-            router.metrics.retries.labels("worker_back").inc()
+            self.retried("worker_back")
             opened = await self.open_decode(d_body)
         return opened
 
@@ -133,6 +133,7 @@ class Streaming:
                     self.work.pause()
                     continue
                 backend.strip_ids(chunk)
+                backend.honest_usage(chunk.get("usage"))
                 if backend.reports_on(chunk, finish_reason):
                     learned = self.learn_and_trace(chunk.get("kvturn"))
                     chunk["kvturn"] = self.client_report(chunk.get("kvturn"), worker_url, learned)

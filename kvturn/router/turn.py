@@ -34,9 +34,10 @@ def timed_out(router, role: str) -> Response:
 
 class Turn(Streaming):
     def __init__(self, router, path: str, chat: bool, body: dict, conversation: ConversationKey | None,
-                 history: History | None, want_kv: bool, work: WorkClock, backend: type):
+                 history: History | None, want_kv: bool, work: WorkClock, backend: type, span=None):
         """`work`: started once the request's body was in, paused around every wait on a worker or the client.
-        `backend`: KvturnWorkers or VLLMWorkers, made for this turn."""
+        `backend`: KvturnWorkers or VLLMWorkers, made for this turn. `span`: the request's TurnSpan when traces are
+        on (turn_span.py)."""
         self.router, self.path, self.chat, self.body = router, path, chat, body
         self.conversation, self.history, self.want_kv, self.work = conversation, history, want_kv, work
         self.key = conversation.key if conversation else None
@@ -49,6 +50,10 @@ class Turn(Streaming):
         self.first_token_from = "decode"  # or "prefill": P's token, sent ahead of D's stream (first_token.py)
         prompt = body.get("prompt")
         self.prompt_size = history.size if history else len(prompt) if isinstance(prompt, str) else 0
+        self.span = span
+        self.trace_headers = span.headers if span is not None else None  # `traceparent` for the workers
+        self.lookup = "none"  # what the conversation table said: hit, miss, or why it held no entry
+        self.reported: dict | None = None  # the response's `kvturn` object, once made
         self.backend = backend(self)
 
     async def run(self) -> Response:
@@ -57,7 +62,8 @@ class Turn(Streaming):
         missed_because = None
         if self.key:
             self.entry, missed_because = await router.table.lookup(self.key)
-        router.metrics.lookups.labels("hit" if self.entry else (missed_because or "miss")).inc()
+        self.lookup = "hit" if self.entry else (missed_because or "miss")
+        router.metrics.lookups.labels(self.lookup).inc()
         backend.choose_path()
         if backend.computes_on_decode:
             return await self.decode(dict(self.body))  # D computes the new tokens on the history it retained
@@ -68,6 +74,18 @@ class Turn(Streaming):
             return exc.response
         await backend.count_reuse(missed_because)
         return await self.decode(backend.decode_body())
+
+    def retried(self, reason: str) -> None:
+        """Counted, and an event of the turn's span."""
+        self.router.metrics.retries.labels(reason).inc()
+        if self.span is not None:
+            self.span.retried(reason)
+
+    def report(self, decode: dict | None, decode_url: str, learned: dict | None) -> dict:
+        """The response's `kvturn` object, kept for the turn's span, and the turn's metrics (its answer is out)."""
+        self.reported = self.backend.report(decode, decode_url, learned)
+        self.router.turn_metrics.observe(self, self.reported)
+        return self.reported
 
     async def waiting(self, awaitable):
         """Wait on a worker or the client: not the router's own work."""
@@ -97,13 +115,13 @@ class Turn(Streaming):
             url, content = backend.request(worker.url + self.path, backend.prefill_body(one_token(self.body)))
             with router.prefill.claim(worker, backend.prefill_work_ms) as claim:
                 try:
-                    response = await self.waiting(router.http.post(url, content))
+                    response = await self.waiting(router.http.post(url, content, headers=self.trace_headers))
                 except TimedOut:
                     raise UpstreamError(timed_out(router, "prefill"), "prefill_timeout") from None
                 except Unreachable:
                     router.prefill.mark_dead(worker)
                     tried.add(worker.url)
-                    router.metrics.retries.labels("prefill_unreachable").inc()
+                    self.retried("prefill_unreachable")
                     continue
                 if response.status == 200:
                     claim.work_done()
@@ -116,11 +134,11 @@ class Turn(Streaming):
                 raise UpstreamError(Response(response.content, response.status, media_type="application/json"))
             if reusing:
                 backend.give_up_reuse()
-                router.metrics.retries.labels("prefill_failed_with_reuse").inc()
+                self.retried("prefill_failed_with_reuse")
                 continue
             tried.add(worker.url)
             failed = response
-            router.metrics.retries.labels("prefill_failed").inc()
+            self.retried("prefill_failed")
 
     async def decode(self, d_body: dict) -> Response:
         if self.key is not None:
@@ -151,7 +169,7 @@ class Turn(Streaming):
             claim = router.decode.claim(worker, self.backend.decode_work_ms)
             try:
                 url, content = self.backend.request(worker.url + self.path, d_body)
-                response = await self.waiting(router.http.open(url, content))
+                response = await self.waiting(router.http.open(url, content, headers=self.trace_headers))
             except TimedOut:
                 claim.release()
                 router.metrics.requests.labels("decode_timeout").inc()
@@ -160,7 +178,7 @@ class Turn(Streaming):
                 claim.release()
                 router.decode.mark_dead(worker)
                 tried.add(worker.url)
-                router.metrics.retries.labels("decode_unreachable").inc()
+                self.retried("decode_unreachable")
                 continue
             except BaseException:  # cancelled: the client left while the stream was opening D
                 claim.release()
@@ -221,6 +239,7 @@ class Turn(Streaming):
         await self.backend.remember(DecodeAnswer(worker.url, choice_text(choice, self.chat, delta=False), kv,
                                                  streamed=False, finish_reason=choice.get("finish_reason")))
         self.backend.strip_ids(result)
+        self.backend.honest_usage(result.get("usage"))
         learned = self.learn_and_trace(result.get("kvturn"))
         result["kvturn"] = self.client_report(result.get("kvturn"), worker.url, learned)
         if self.want_kv and kv is not None:
@@ -232,7 +251,7 @@ class Turn(Streaming):
 
     def client_report(self, decode: dict | None, decode_url: str, learned: dict | None) -> dict:
         """The turn's `kvturn` object as the client gets it (answers.concealed unless internals are exposed)."""
-        report = self.backend.report(decode, decode_url, learned)
+        report = self.report(decode, decode_url, learned)
         return report if self.router.config.expose_internals else concealed(report)
 
     def learn_and_trace(self, decode: dict | None) -> dict | None:

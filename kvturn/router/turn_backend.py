@@ -69,6 +69,17 @@ class TurnBackend:
     def strip_ids(self, response: dict) -> None:
         """Take out of a response or chunk what the router asked D for itself only."""
 
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens this turn did not compute, as the response's usage says them; None: D's own count."""
+        return None
+
+    def honest_usage(self, usage) -> None:
+        """Put the turn's cached tokens into a usage object of D's (whose own count includes what D read from P)."""
+        cached = self.cached_tokens()
+        if isinstance(usage, dict) and cached is not None:
+            details = usage.get("prompt_tokens_details")
+            usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached}
+
     def reports_on(self, chunk: dict, finish_reason: str | None) -> bool:
         """Whether this chunk of D's stream ends the turn and carries its `kvturn` object."""
         raise NotImplementedError

@@ -145,7 +145,7 @@ class Upstream:
             await self._session.close()
 
     async def _send(self, method: str, url: str | URL, content: bytes | None,
-                    timeout_s: float | None) -> aiohttp.ClientResponse:
+                    timeout_s: float | None, extra_headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """Send a request; return once the answer's status and headers are in. A worker that stops reading the
         request fails it after `timeout_s` without progress (aiohttp times only the answer)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else self._timeout
@@ -157,6 +157,8 @@ class Upstream:
                 if content is not None:
                     headers = {"Content-Type": "application/json", "Content-Length": str(len(content))}
                     data = _pieces(content, watch)
+                if extra_headers:
+                    headers = {**(headers or {}), **extra_headers}
                 try:
                     response = await self._session.request(method, url, data=data, headers=headers,
                                                            timeout=timeout, allow_redirects=False)
@@ -170,9 +172,9 @@ class Upstream:
         return response
 
     async def call(self, method: str, url: str | URL, content: bytes | None = None,
-                   timeout_s: float | None = None) -> Reply:
-        """One request, its whole answer read."""
-        response = await self._send(method, url, content, timeout_s)
+                   timeout_s: float | None = None, headers: dict[str, str] | None = None) -> Reply:
+        """One request, its whole answer read; `headers` beside the client's own (a trace's `traceparent`)."""
+        response = await self._send(method, url, content, timeout_s, headers)
         try:
             return Reply(response.status, await response.read(), response.headers.get("Content-Type", ""))
         except _FAILURES as exc:
@@ -180,12 +182,13 @@ class Upstream:
         finally:
             response.release()
 
-    async def post(self, url: str | URL, content: bytes, timeout_s: float | None = None) -> Reply:
-        return await self.call("POST", url, content, timeout_s)
+    async def post(self, url: str | URL, content: bytes, timeout_s: float | None = None,
+                   headers: dict[str, str] | None = None) -> Reply:
+        return await self.call("POST", url, content, timeout_s, headers)
 
     async def get(self, url: str | URL, timeout_s: float | None = None) -> Reply:
         return await self.call("GET", url, None, timeout_s)
 
-    async def open(self, url: str | URL, content: bytes) -> Stream:
+    async def open(self, url: str | URL, content: bytes, headers: dict[str, str] | None = None) -> Stream:
         """POST and return once the status and headers are in; the caller reads the body and closes it."""
-        return Stream(await self._send("POST", url, content, None))
+        return Stream(await self._send("POST", url, content, None, headers))

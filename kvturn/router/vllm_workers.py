@@ -144,6 +144,15 @@ class VLLMWorkers(TurnBackend):
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)  # /v1/completions puts them on the choice
 
+    def cached_tokens(self) -> int | None:
+        """What P did not compute (its prefix-cache hits and what it loaded from D): vLLM's P says it in its params;
+        D's count would include what D loaded from P. Else P's usage, if it gave details."""
+        prefill = self.turn.prefill
+        cached = (prefill.get("kv_transfer_params") or {}).get("remote_prefill_cached_tokens")
+        if not isinstance(cached, int):
+            cached = ((prefill.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
     def reports_on(self, chunk: dict, finish_reason: str | None) -> bool:
         return bool(finish_reason) and "kvturn" not in chunk
 

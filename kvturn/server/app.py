@@ -13,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from kvturn import tracing
 from kvturn.config import WorkerConfig
 from kvturn.engine import step_history
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
@@ -48,6 +49,7 @@ def conversation_key(body, request: Request) -> str | None:
 
 def create_app(config: WorkerConfig) -> FastAPI:
     worker = Worker(config)
+    traces = tracing.Tracing.start("worker" if config.role == "both" else config.role, config.otlp_traces_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +61,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
             await worker.async_engine.call(worker.connector.leases.release_all)
         worker.async_engine.stop()
         worker.stop_prompt_threads()
+        if traces is not None:
+            traces.close()
 
     app = FastAPI(title="kvturn worker", lifespan=lifespan)
     app.state.worker = worker
@@ -152,7 +156,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
         seq, plan = await worker.prepare(body, conversation_key(body, request), caller_has_secret, request_id, arrival)
         base = {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": worker.model_name}
-        generation = Generation(worker, seq, plan, chat, base)
+        parent = traces.parent(request.headers) if traces is not None else None
+        generation = Generation(worker, seq, plan, chat, base, traces, parent)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(generation.stream(include_usage), media_type="text/event-stream")

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from kvturn.engine.async_engine import NotRead
 from kvturn.engine.sequence import Sequence
 from kvturn.errors import error_body, error_response, internal_error_message
-from kvturn.server import openai
+from kvturn.server import openai, spans
 from kvturn.server.text_stream import TextStream
 from kvturn.server.worker import Worker
 
@@ -22,8 +22,10 @@ DISCONNECT_CHECK_S = 0.5  # how often a whole answer being generated checks that
 class Generation:
     """One request's run through the engine, answered whole or as a stream."""
 
-    def __init__(self, worker: Worker, seq: Sequence, plan, chat: bool, base: dict):
+    def __init__(self, worker: Worker, seq: Sequence, plan, chat: bool, base: dict, traces=None, parent=None):
+        """`traces`: the worker's Tracing when traces are on, `parent` the context the caller's `traceparent` named."""
         self.worker, self.seq, self.plan, self.chat, self.base = worker, seq, plan, chat, base
+        self.traces, self.parent = traces, parent
         self.text = TextStream(worker.tokenizer.decode, seq.params.stop)
         self.released = [False]
         self.logprobs: list = []  # (token, logprob, [(alternative, logprob)...]) per generated token
@@ -42,6 +44,13 @@ class Generation:
         shaped = openai.completion_logprobs(entries, self.text_offset)
         self.text_offset += sum(len(token) for token, _, _ in entries)
         return shaped
+
+    def trace(self) -> None:
+        """The request's span, once it finished."""
+        if self.traces is not None:
+            worker, seq = self.worker, self.seq
+            spans.record_request(self.traces, self.parent, seq, worker.kvturn_fields(seq), worker.usage(seq),
+                                 worker.model_name, worker.config.role)
 
     def all_logprobs(self) -> dict | None:
         if self.seq.params.logprobs is None:
@@ -62,6 +71,7 @@ class Generation:
         if seq.finish_reason is None:
             return error_response(499 if seq.aborted else 500, "request did not finish")
         worker.observe(seq)
+        self.trace()
         body = {**self.base, "choices": [openai.choice(self.chat, self.text.final(), seq.finish_reason, False,
                                                        self.all_logprobs())],
                 "usage": worker.usage(seq), "kvturn": worker.kvturn_fields(seq)}
@@ -92,6 +102,7 @@ class Generation:
                 if out.finished:
                     delta += self.text.flush()
                     worker.observe(seq)
+                    self.trace()
                     chunk = {**chunk_base, "choices": [openai.choice(chat, delta, seq.finish_reason, True, logprobs)],
                              "kvturn": worker.kvturn_fields(seq)}
                     kv = worker.response_kv_params(seq)

@@ -6,6 +6,7 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.kv_transfer.connector import ConnectorStats, KVConnector
 from kvturn.kv_transfer.params import HOST, POOL, TIERS
 from kvturn.kv_transfer.policy import DECLINE_REASONS
+from kvturn.server.vllm_metrics import VLLMCollector, request_histograms
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -108,15 +109,28 @@ class EngineCollector:
         yield moves
 
 
+class Observed:
+    """Histograms that observe the same value: kvturn's and vLLM's of one quantity."""
+
+    def __init__(self, *histograms):
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for histogram in self.histograms:
+            histogram.observe(value)
+
+
 class WorkerMetrics:
-    def __init__(self, engine: LLMEngine, connector: KVConnector | None):
+    def __init__(self, engine: LLMEngine, connector: KVConnector | None, model_name: str = ""):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, connector))
+        self.registry.register(VLLMCollector(engine, connector, model_name))
         self.side_channel_refusals = Counter("kvturn_side_channel_refused", "Side-channel calls refused for a "
                                              "wrong or missing cluster secret", registry=self.registry)
-        self.ttft = Histogram("kvturn_time_to_first_token_seconds", "Time from arrival to first token",
-                              buckets=TTFT_BUCKETS_S, registry=self.registry)
+        vllm_ttft, vllm_e2e = request_histograms(self.registry, model_name)
+        self.ttft = Observed(Histogram("kvturn_time_to_first_token_seconds", "Time from arrival to first token",
+                                       buckets=TTFT_BUCKETS_S, registry=self.registry), vllm_ttft)
+        self.e2e = Observed(Histogram("kvturn_request_latency_seconds", "Time from arrival to last token",
+                                      buckets=TTFT_BUCKETS_S, registry=self.registry), vllm_e2e)
         self.streams_not_read = Counter("kvturn_streams_not_read", "Streamed requests ended because their client "
                                         "took no output for unread_stream_timeout_s", registry=self.registry)
-        self.e2e = Histogram("kvturn_request_latency_seconds", "Time from arrival to last token",
-                             buckets=TTFT_BUCKETS_S, registry=self.registry)

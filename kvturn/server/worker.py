@@ -61,7 +61,7 @@ class Worker:
         # Before any request comes (the steps use free blocks only), with the NIXL agent's threads running.
         self.calibration = time_prefill_steps(self.engine) if config.calibrate else []
         self.async_engine = AsyncEngine(self.engine)
-        self.metrics = WorkerMetrics(self.engine, self.connector)
+        self.metrics = WorkerMetrics(self.engine, self.connector, self.model_name)
         connector_config = config.connector
         self.advertise_host = config.advertise_host or config.host
         self.peers = PeerClient(connector_config.cluster_secret, connector_config.side_channel_timeout_s,
@@ -322,9 +322,12 @@ class Worker:
         }
 
     def usage(self, seq: Sequence) -> dict:
+        """OpenAI's usage; cached tokens are those this request did not compute: the local prefix cache's and a
+        lease's read back, not P's blocks a decode worker read (P computed them for this very request)."""
+        pulled_from_prefill = seq.remote is not None and seq.remote.prefilled_for_us
+        cached = seq.num_cached_tokens + (0 if pulled_from_prefill else seq.num_remote_tokens)
         return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
-                "total_tokens": len(seq),
-                "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens + seq.num_remote_tokens}}
+                "total_tokens": len(seq), "prompt_tokens_details": {"cached_tokens": cached}}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
