@@ -276,4 +276,24 @@ def test_an_entry_rewritten_in_redis_is_treated_as_absent_and_counted(url):
         assert await table.lookup("public:b") == (None, None) and len(rejected) == 2
         raw.hset(name, "mac", raw.hget("kvturn:conv:public:b", "mac") or "x")  # a MAC of another entry
         assert await table.lookup("public:a") == (None, None) and len(rejected) == 3
-    with_table(url, scenario, secret=SECRET, on_rejected=lambda: rejected.append(1))
+    with_table(url, scenario, secret=SECRET, on_rejected=rejected.append)
+
+
+def test_a_history_digest_pointed_elsewhere_in_redis_is_not_followed(url):
+    """With a cluster secret a digest's value carries a MAC of the digest and the conversation it names: pointed at
+    another conversation (or written unsigned), it is ignored and counted, and the turn starts afresh."""
+    rejected = []
+
+    async def scenario(table):
+        await table.remember_history("d1", "scope-a:conv-1", "derived-1")
+        await table.remember_history("d2", "scope-b:conv-2", "derived-2")
+        assert await table.find_history(["d1"]) == ("scope-a:conv-1", "derived-1")
+        raw = redis.Redis.from_url(url)
+        raw.set("kvturn:hist:d1", raw.get("kvturn:hist:d2"))  # another conversation's value, MAC and all
+        assert await table.find_history(["d1"]) is None and rejected == ["history"]
+        raw.set("kvturn:hist:d1", json.dumps(["scope-b:conv-2", "derived-2"]))  # unsigned
+        assert await table.find_history(["d1"]) is None and rejected == ["history"] * 2
+        for i in range(HISTORY_DIGESTS_KEPT + 1):  # trimming still finds its own digests behind their MACs
+            await table.remember_history(f"e{i}", "scope-a:conv-3", "derived-3")
+        assert raw.get("kvturn:hist:e0") is None and await table.find_history([f"e{HISTORY_DIGESTS_KEPT}"])
+    with_table(url, scenario, secret=SECRET, on_rejected=rejected.append)

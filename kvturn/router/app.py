@@ -96,7 +96,7 @@ class Router:
         if is_redis_url(config.state_path):
             self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,
                                                 on_error=self.metrics.state_errors.inc, secret=config.cluster_secret,
-                                                on_rejected=self.metrics.store_rejected.labels("conversation").inc)
+                                                on_rejected=lambda record: self.metrics.store_rejected.labels(record).inc())
         else:
             self.table = ConversationTable(config.conversation_ttl_s, config.max_conversations, config.state_path)
         self.registry = None

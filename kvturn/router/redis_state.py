@@ -45,14 +45,18 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-# KEYS: digest, the conversation's recent digests. ARGV: conversation key, digest, ms, how many kept, digest prefix.
-# A digest trimmed from the list is deleted unless another conversation has taken it over since.
+# KEYS: digest, the conversation's recent digests. ARGV: the digest's value, digest, ms, how many kept, digest prefix,
+# what names the conversation (the value's part before its MAC). A digest trimmed from the list is deleted unless
+# another conversation has taken it over since.
 REMEMBER_DIGEST = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('LREM', KEYS[2], 0, ARGV[2])
 redis.call('LPUSH', KEYS[2], ARGV[2])
 for _, old in ipairs(redis.call('LRANGE', KEYS[2], tonumber(ARGV[4]), -1)) do
-  if redis.call('GET', ARGV[5] .. old) == ARGV[1] then redis.call('DEL', ARGV[5] .. old) end
+  local value = redis.call('GET', ARGV[5] .. old)
+  if value and (value == ARGV[6] or string.sub(value, 1, #ARGV[6] + 1) == ARGV[6] .. '\\n') then
+    redis.call('DEL', ARGV[5] .. old)
+  end
 end
 redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[4]) - 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -61,7 +65,8 @@ return 1
 
 
 def conversation_named(value: str) -> tuple[str, str]:
-    """(key, client id) of a history digest's value; an older router's value is the key alone."""
+    """(key, client id) of a history digest's value (its MAC cut off); an older router's value is the key alone."""
+    value = value.rpartition("\n")[0] or value
     try:
         key, client_id = json.loads(value)
         if isinstance(key, str) and isinstance(client_id, str):
@@ -74,9 +79,9 @@ def conversation_named(value: str) -> tuple[str, str]:
 class RedisConversationTable:
     def __init__(self, url: str, ttl_s: float, namespace: str = "kvturn", on_error: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, secret: str | None = None,
-                 on_rejected: Callable[[], None] | None = None):
+                 on_rejected: Callable[[str], None] | None = None):
         """`secret`: the cluster's, under which entries are signed and checked (None: the store is trusted).
-        `on_rejected`: counts an entry whose MAC did not hold."""
+        `on_rejected(record)`: counts a conversation entry or history digest whose MAC did not hold."""
         self.ttl_s = ttl_s
         self.secret = secret.encode() if secret else None
         self._on_rejected = on_rejected
@@ -124,7 +129,7 @@ class RedisConversationTable:
         if not self._signed(key, raw, mac):
             log.warning("conversation entry %s in the shared store has no valid MAC; ignoring it", key)
             if self._on_rejected:
-                self._on_rejected()
+                self._on_rejected("conversation")
             return None, None
         try:
             entry = Conversation.from_fields(json.loads(raw))
@@ -178,8 +183,10 @@ class RedisConversationTable:
         `client_id`."""
         ttl_ms = int(self.ttl_s * 1000)
         named = json.dumps([key, client_id])  # the same for every digest of the conversation (the script compares)
+        value = f"{named}\n{self._mac('hist:' + digest, named)}" if self.secret else named
         await self._call(lambda: self._remember(keys=[self._digest_prefix + digest, self._recent_prefix + key],
-                                                args=[named, digest, ttl_ms, HISTORY_DIGESTS_KEPT, self._digest_prefix]))
+                                                args=[value, digest, ttl_ms, HISTORY_DIGESTS_KEPT,
+                                                      self._digest_prefix, named]))
 
     async def find_history(self, digests: list[str]) -> tuple[str, str] | None:
         """(key, client id) of the conversation of the longest remembered prefix among `digests` (shortest first);
@@ -190,9 +197,15 @@ class RedisConversationTable:
             found = await self._call(lambda names=names: self.redis.mget(names))
             if found is _FAILED:
                 return None
-            for named in reversed(found):
-                if named is not None:
-                    return conversation_named(named)
+            for digest, value in zip(reversed(chunk), reversed(found)):
+                if value is None:
+                    continue
+                named, _, mac = value.rpartition("\n")
+                if self._signed("hist:" + digest, named, mac or None):
+                    return conversation_named(value)
+                log.warning("history digest %s in the shared store has no valid MAC; ignoring it", digest[:16])
+                if self._on_rejected:
+                    self._on_rejected("history")
         return None
 
     async def sweep(self) -> None:
