@@ -285,7 +285,8 @@ def bench(
                                 "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
                                     "(coding-agent's median 5.2 s and p99 81 s; 0.05 makes them seconds)"),
-    sessions: Optional[int] = typer.Option(None, help="sessions (clients) in parallel (default: the scenario's)"),
+    sessions: Optional[int] = typer.Option(None, help="sessions of a scenario, all at once (default: the scenario's); "
+                                            "with --workload, how many of its conversations run in parallel"),
     max_turns: Optional[int] = typer.Option(None, help="cut every conversation after this many turns"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep; the context a "
@@ -328,7 +329,10 @@ def bench(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     else:
-        conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns)
+        try:
+            conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns, sessions)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     for conv in conversations:
         for turn in conv.turns:
             turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
@@ -504,7 +508,8 @@ def plan(
         cost_model = calibration.load_many(calibration_files)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
-            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
+            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients,
+                                           sessions)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
         predict.bounded(workload, cost_model)

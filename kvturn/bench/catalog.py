@@ -123,49 +123,67 @@ def legs_help() -> str:
 
 
 def build_workload(scenario: str, source: "workload.TextSource", seed: int, max_prompt_tokens: int,
-                   turns: int) -> "list[workload.Conversation]":
+                   turns: int, sessions: int | None = None) -> "list[workload.Conversation]":
+    """The scenario's conversations; `sessions` (kvturn bench --sessions) is how many, in every scenario (default:
+    the scenario's own count)."""
     from kvturn.bench import workload
+    count = sessions if sessions is not None else None
+    if count is not None and count < 1:
+        raise ValueError(f"--sessions must be at least 1, got {count}")
+
+    def many(default: int) -> int:
+        return count if count is not None else default
     if scenario == "sweep":
         lengths = [n for n in (1024, 2048, 4096, 8192, 16384, 24576) if n <= max_prompt_tokens] or [max_prompt_tokens]
-        return workload.sweep(source, seed, lengths, turns=turns, new_tokens=150, answer_tokens=32)
+        if count is None:
+            return workload.sweep(source, seed, lengths, turns=turns, new_tokens=150, answer_tokens=32)
+        # N sessions cycle through the lengths, shortest first, each with its own text
+        return [conv for i in range(count)
+                for conv in workload.sweep(source, seed + i * 7919, [lengths[i % len(lengths)]], turns=turns,
+                                           new_tokens=150, answer_tokens=32, id_suffix=f"-{i}")]
     if scenario == "no-reuse":
-        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2000},
+        spec = workload.SyntheticSpec(num_sessions=many(8),
+                                      system_tokens={"distribution": "uniform", "min": 500, "max": 2000},
                                       num_turns=1, new_tokens=150, answer_tokens=32)
         return workload.synthetic(spec, source, seed, "single")
     if scenario == "resume-after-ttl":
-        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=3, new_tokens=150,
+        spec = workload.SyntheticSpec(num_sessions=many(2), system_tokens=2048, num_turns=3, new_tokens=150,
                                       answer_tokens=32, gap_s=6.0)
         return workload.synthetic(spec, source, seed, "resume")
     if scenario == "edited-history":
-        conversations = workload.synthetic(workload.SyntheticSpec(num_sessions=2, system_tokens=2048, num_turns=turns,
-                                                                  new_tokens=150, answer_tokens=32), source, seed, "edit")
+        conversations = workload.synthetic(workload.SyntheticSpec(num_sessions=many(2), system_tokens=2048,
+                                                                  num_turns=turns, new_tokens=150, answer_tokens=32),
+                                           source, seed, "edit")
         for conv in conversations:
             for turn in conv.turns[2:3]:
                 turn.edit_history = True
         return conversations
     if scenario == "short-turns":
-        spec = workload.SyntheticSpec(num_sessions=2, system_tokens=24, num_turns=turns, new_tokens=12, answer_tokens=8)
+        spec = workload.SyntheticSpec(num_sessions=many(2), system_tokens=24, num_turns=turns, new_tokens=12,
+                                      answer_tokens=8)
         return workload.synthetic(spec, source, seed, "short")
     if scenario == "concurrent":
-        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 500, "max": 2500},
+        spec = workload.SyntheticSpec(num_sessions=many(8),
+                                      system_tokens={"distribution": "uniform", "min": 500, "max": 2500},
                                       num_turns=turns, new_tokens=150, answer_tokens=32)
         return workload.synthetic(spec, source, seed, "concurrent")
     if scenario == "agent-loop":
-        spec = workload.SyntheticSpec(num_sessions=8, system_tokens={"distribution": "uniform", "min": 2000, "max": 5000},
+        spec = workload.SyntheticSpec(num_sessions=many(8),
+                                      system_tokens={"distribution": "uniform", "min": 2000, "max": 5000},
                                       num_turns=turns + 4,
                                       new_tokens={"distribution": "uniform", "min": 50, "max": 400},
                                       answer_tokens={"distribution": "uniform", "min": 16, "max": 64})
         return workload.synthetic(spec, source, seed, "agent")
-    if scenario == "coding-agent":
+    if scenario in ("coding-agent", "production"):
         from kvturn.bench.coding_agent import coding_agent
-        return coding_agent(source, seed, max_prompt_tokens, SCENARIOS[scenario].sessions)
+        return coding_agent(source, seed, max_prompt_tokens, many(SCENARIOS[scenario].sessions))
     if scenario == "memory-pressure":
-        spec = workload.SyntheticSpec(num_sessions=32, system_tokens={"distribution": "uniform", "min": 1000,
-                                                                      "max": 1500},
+        spec = workload.SyntheticSpec(num_sessions=many(32), system_tokens={"distribution": "uniform", "min": 1000,
+                                                                            "max": 1500},
                                       num_turns=turns, new_tokens={"distribution": "uniform", "min": 100, "max": 200},
                                       answer_tokens=32, gap_s={"distribution": "uniform", "min": 5, "max": 15})
         return workload.synthetic(spec, source, seed, "pressure")
     if scenario == "real-chat":
         from kvturn.bench import real_chat
-        return real_chat.conversations()
+        return real_chat.conversations(sessions=many(1))
     raise ValueError(f"unknown scenario {scenario!r}; one of {sorted(SCENARIOS)}")
