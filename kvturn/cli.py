@@ -157,6 +157,8 @@ def router(
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
     path_policy: str = option(RouterConfig, "path_policy"),
     stall_weight: float = option(RouterConfig, "stall_weight"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    prefill_spill_ms: float = option(RouterConfig, "prefill_spill_ms"),
     backend: str = option(RouterConfig, "backend"),
     tokenizer: Optional[str] = option(RouterConfig, "tokenizer_dir", "--tokenizer"),
     kv_recompute_threshold_tokens: int = option(RouterConfig, "kv_recompute_threshold_tokens"),
@@ -179,7 +181,8 @@ def router(
                    health_interval_s=health_interval_s, max_body_mb=max_body_mb,
                    cluster_secret=cluster_secret or None, api_keys=api_key, admin_keys=admin_key,
                    expose_internals=expose_internals, path_policy=path_policy,
-                   stall_weight=stall_weight, backend=backend,
+                   stall_weight=stall_weight, prefill_choice=prefill_choice, prefill_spill_ms=prefill_spill_ms,
+                   backend=backend,
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
@@ -272,6 +275,31 @@ def serve(
     raise typer.Exit(1 if failed else 0)
 
 
+def bench_layout(topology: str, prefill_choice: str, hosts: str, link: Optional[str], compare: bool):
+    """Every leg's stack shape from the bench's options, each checked."""
+    from kvturn.bench.topology import HOSTS, Layout, Topology
+    from kvturn.config import PREFILL_CHOICES
+    try:
+        shape = Topology.parse(topology)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
+    if hosts not in HOSTS:
+        raise typer.BadParameter(f"--hosts must be one of {HOSTS}")
+    if not compare and (shape != Topology() or hosts != "one"):
+        raise typer.BadParameter("--topology and --hosts shape the stacks --compare launches")
+    if link is not None and hosts != "netns":
+        raise typer.BadParameter("--link shapes the namespaces' links: give --hosts netns")
+    if link is not None:
+        from kvturn.bench.netns import Link
+        try:
+            Link.parse(link)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return Layout(shape, prefill_choice, hosts, link)
+
+
 @app.command()
 def bench(
     url: Optional[str] = typer.Option(None, help="OpenAI-compatible server to measure (kvturn, vLLM, ...)"),
@@ -301,6 +329,14 @@ def bench(
     pin_workers: bool = typer.Option(False, "--pin-workers", help="with --compare: prefill workers on half of this "
                                      "machine's cores, decode workers on the other half, one thread a core, as on "
                                      "machines of their own (a colocated worker, the router and the client: all)"),
+    topology: str = typer.Option("1P1D", help="with --compare: prefill and decode workers of every P/D leg, e.g. "
+                                 "2P2D (a colocated leg runs one worker)"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    hosts: str = typer.Option("one", help="with --compare: one (every process on this host, UCX as it likes) or "
+                              "netns (each worker, and the router with the client, in a network namespace of its "
+                              "own behind a veth into one bridge, UCX over TCP only; needs root)"),
+    link: Optional[str] = typer.Option(None, help="with --hosts netns: each namespace's link shaped to RATE:DELAY "
+                                       "with tc, e.g. 25gbit:50us (default: unshaped)"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
 ):
     """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""
@@ -311,6 +347,7 @@ def bench(
 
     from kvturn.bench import client, compare as comparison, report, spread, workload
     from kvturn.bench.machine import machine, write_json
+    from kvturn.bench.placement import placement_text
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
     if not compare and not url:
@@ -319,6 +356,7 @@ def bench(
         raise typer.BadParameter("--repeats needs --compare: each repeat starts fresh stacks")
     if scenario not in catalog.SCENARIOS:
         raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
+    layout = bench_layout(topology, prefill_choice, hosts, link, compare)
     model_dir = resolve_model(model)
     tokenizer = ChatTokenizer(model_dir)
     source = workload.TextSource(tokenizer)
@@ -344,30 +382,38 @@ def bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
+    link_measure = None
     if compare:
         chosen = chosen_legs(legs) if legs else list(catalog.default_legs(scenario))
-        runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
-                                      out_dir / "logs", console, source, sessions, pin_workers)
+        with comparison.hosts_of(layout) as layout:  # --hosts netns: the namespaces live as long as the legs
+            runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
+                                          out_dir / "logs", console, source, sessions, pin_workers, layout)
+            ideals = [comparison.ideal_speedup(run, model_dir, layout) for run in runs]
+            link_measure = comparison.link_ideal(model_dir, layout)
+            if link_measure:
+                console.print(comparison.link_text(link_measure))
     else:
         runs = [{url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                              request_rate=request_rate, warmup_turns=warmup_turns,
                                              max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
                                              ignore_eos=spec.ignore_eos))}]
+        ideals = [None]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
-    ideals = [comparison.ideal_speedup(run, model_dir) for run in runs] if compare else [None]
     ideal = ideals[0]
     info = machine()
     leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
     words = spread.verdict(leg_spreads, ratios, repeats) if repeats > 1 else report.verdict(summaries)
     console.print(words)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
-    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})"
+    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned}; {layout.describe()})"
     if repeats > 1:
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
+    if compare:
+        console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -395,6 +441,8 @@ def bench(
     # the first repeat where it always was (what kvturn plan reads), the others after it, every one raw
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
                "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
+               "layout": {"topology": str(layout.topology), "prefill_choice": layout.prefill_choice,
+                          "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,

@@ -18,6 +18,7 @@ class Leg:
     prefix_caching_on_prefill: bool
     path_policy: str = "pull"  # what the router does with a live lease (see `kvturn router --path-policy`)
     decode_args: tuple[str, ...] = ()  # the decode workers' own settings (the retention legs)
+    prefill_args: tuple[str, ...] = ()  # the prefill workers' own settings (P's prefix cache with a host tier)
 
 
 LEGS = {
@@ -68,6 +69,7 @@ class Scenario:
     sessions: int = 1
     decode_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
     legs: tuple[str, ...] | None = None  # what `--compare` runs when no --legs is given (None: DEFAULT_LEGS)
     ignore_eos: bool = True  # False: answers end where a real model ends its turn
     show_conversation: bool = False  # the report shows one conversation's questions and answers, turn by turn

@@ -59,6 +59,8 @@ class RequestRecord:
     # tokenize back to the tokens it generated); None: not counted
     answer_text_tokens: int | None = None
     kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
+    prefill_worker: str | None = None  # which P served the turn (placement.py: did it meet its history?)
+    prompt_tokens_cached_prefill: int | None = None  # of the prompt, what P's own prefix cache held
     side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
     answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
@@ -217,6 +219,8 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.reuse = kvturn.get("reuse")
         record.prompt_tokens_computed_prefill = kvturn.get("prompt_tokens_computed_prefill")
         record.prompt_tokens_from_decode = kvturn.get("prompt_tokens_from_decode")
+        record.prompt_tokens_cached_prefill = kvturn.get("prompt_tokens_cached_prefill")
+        record.prefill_worker = kvturn.get("prefill_worker") or None
         record.queue_ms = timing.get("queue_ms")
         # P's own account (the router passes it whole), or a colocated worker's, which is its timing
         own = kvturn.get("prefill_timing")
