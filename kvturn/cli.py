@@ -217,11 +217,15 @@ def serve(
     restart_backoff_s: float = option(SupervisorConfig, "restart_backoff_s"),
     restart_backoff_max_s: float = option(SupervisorConfig, "restart_backoff_max_s"),
     restart_settled_s: float = option(SupervisorConfig, "restart_settled_s"),
-    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill worker on half of this machine's cores, "
-                                     "decode worker on the other half, as on machines of their own"),
+    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill workers on half of this machine's cores, "
+                                     "decode workers on the other half, as on machines of their own"),
+    prefill: int = typer.Option(1, "--prefill", min=1, max=16, help="prefill workers"),
+    decode: int = typer.Option(1, "--decode", min=1, max=16, help="decode workers"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
 ):
-    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack.
-    Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM stops them all."""
+    """Start a router + N prefill + M decode workers (default 1P1D) on this machine, sharing a cluster secret made
+    for this stack. Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM
+    stops them all."""
     import signal
     import time
 
@@ -231,7 +235,11 @@ def serve(
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    from kvturn.config import PREFILL_CHOICES
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
+                   "--prefill-choice", prefill_choice,
                    *(a for key in api_key for a in ("--api-key", key)),
                    *(a for key in admin_key for a in ("--admin-key", key))]
     log_dir = log_dir or default_log_dir("serve")
@@ -246,8 +254,8 @@ def serve(
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, decode_args=decode_args, router_args=router_args,
                        log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor,
-                       expose_internals=expose_internals)
-    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
+                       expose_internals=expose_internals, num_prefill=prefill, num_decode=decode)
+    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill*.log, decode*.log; this process: serve.log)")
     signalled: list[int] = []
 
     def shutdown(signum, _frame):
@@ -260,9 +268,10 @@ def serve(
     failed: list[str] = []
     try:
         with stack:
-            typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
-                       f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret "
-                       f"set, restarts {'on' if restart else 'off'})")
+            workers = ", ".join(f"{name} {url}" for name, url in stack.urls.items() if name != "router")
+            typer.echo(f"kvturn serving on {stack.url}/v1 ({prefill}P{decode}D: {workers}; prefill choice "
+                       f"{prefill_choice}, bidirectional {'on' if bidirectional else 'off'}, cluster secret set, "
+                       f"restarts {'on' if restart else 'off'})")
             while not failed:
                 time.sleep(0.2)
                 if not restart:  # nobody restarts a process that exits: stop the others with it
