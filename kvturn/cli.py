@@ -284,6 +284,11 @@ def serve(
     raise typer.Exit(1 if failed else 0)
 
 
+def spec_topology(scenario: str) -> str:
+    spec = catalog.SCENARIOS.get(scenario)
+    return (spec.topology if spec else None) or "1P1D"
+
+
 def bench_layout(topology: str, prefill_choice: str, hosts: str, link: Optional[str], compare: bool):
     """Every leg's stack shape from the bench's options, each checked."""
     from kvturn.bench.topology import HOSTS, Layout, Topology
@@ -296,8 +301,8 @@ def bench_layout(topology: str, prefill_choice: str, hosts: str, link: Optional[
         raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
     if hosts not in HOSTS:
         raise typer.BadParameter(f"--hosts must be one of {HOSTS}")
-    if not compare and (shape != Topology() or hosts != "one"):
-        raise typer.BadParameter("--topology and --hosts shape the stacks --compare launches")
+    if not compare and hosts != "one":
+        raise typer.BadParameter("--hosts places the stacks --compare launches")
     if link is not None and hosts != "netns":
         raise typer.BadParameter("--link shapes the namespaces' links: give --hosts netns")
     if link is not None:
@@ -338,8 +343,14 @@ def bench(
     pin_workers: bool = typer.Option(False, "--pin-workers", help="with --compare: prefill workers on half of this "
                                      "machine's cores, decode workers on the other half, one thread a core, as on "
                                      "machines of their own (a colocated worker, the router and the client: all)"),
-    topology: str = typer.Option("1P1D", help="with --compare: prefill and decode workers of every P/D leg, e.g. "
-                                 "2P2D (a colocated leg runs one worker)"),
+    topology: Optional[str] = typer.Option(None, help="with --compare: prefill and decode workers of every P/D leg, "
+                                           "e.g. 2P2D (default: the scenario's, else 1P1D; a colocated leg runs one "
+                                           "worker)"),
+    p_pool_share: Optional[float] = typer.Option(None, "--p-pool-share", min=0.01, max=10.0,
+                                                 help="with --compare: size every prefill worker's KV pool so that "
+                                                 "together they hold this share of the workload's live histories "
+                                                 "(P's prefix cache under pressure; each still fits the longest "
+                                                 "prompt); default: --kv-cache-mb"),
     prefill_choice: str = option(RouterConfig, "prefill_choice"),
     hosts: str = typer.Option("one", help="with --compare: one (every process on this host, UCX as it likes) or "
                               "netns (each worker, and the router with the client, in a network namespace of its "
@@ -365,7 +376,7 @@ def bench(
         raise typer.BadParameter("--repeats needs --compare: each repeat starts fresh stacks")
     if scenario not in catalog.SCENARIOS:
         raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
-    layout = bench_layout(topology, prefill_choice, hosts, link, compare)
+    layout = bench_layout(topology or spec_topology(scenario), prefill_choice, hosts, link, compare)
     model_dir = resolve_model(model)
     tokenizer = ChatTokenizer(model_dir)
     source = workload.TextSource(tokenizer)
@@ -386,6 +397,12 @@ def bench(
             if limit_max_tokens:
                 turn.answer_tokens = min(turn.answer_tokens, limit_max_tokens)
     workload.scale_gaps(conversations, gap_scale)
+    if p_pool_share is not None:
+        import dataclasses
+
+        from kvturn.bench.topology import prefill_pool_mb
+        layout = dataclasses.replace(layout, prefill_kv_cache_mb=prefill_pool_mb(
+            conversations, tokenizer.count, model_dir, p_pool_share, layout.topology.prefill))
     name = workload_file.stem if workload_file else scenario
     out_dir = out or Path("results") / f"bench-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -451,7 +468,9 @@ def bench(
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
                "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
                "layout": {"topology": str(layout.topology), "prefill_choice": layout.prefill_choice,
-                          "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure},
+                          "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure,
+                          "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
+                          "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries,
                "ideal_speedup": ideal, "paths": paths_verdict,

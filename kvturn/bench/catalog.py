@@ -31,6 +31,8 @@ LEGS = {
     "pull": Leg("pull", "pd", True, False, "pull"),
     "compute-on-D": Leg("compute-on-D", "pd", True, False, "compute_on_decode"),
     "adaptive": Leg("adaptive", "pd", True, False, "adaptive"),
+    # production's: P's prefix cache on, the router pricing each turn's path by the link and load it measured
+    "adaptive/P-cache-on": Leg("adaptive/P-cache-on", "pd", True, True, "adaptive"),
 }
 PATH_LEGS = ("pull", "compute-on-D", "adaptive")
 # Retention under memory pressure (scenario memory-pressure): a retained budget that holds a fifth of its live
@@ -46,6 +48,10 @@ LEGS |= {
 }
 RETENTION_LEGS = ("retain/drop-oldest", "retain/host-tier", "retain/unbounded")
 
+
+# The production scenario's legs: P's prefix cache on in each, and P's cache with a host tier at equal memory where
+# this build has that leg (pd/P-cache-host)
+PRODUCTION_LEGS = ("pd/P-cache-on", "bidir/P-cache-on", "adaptive/P-cache-on", "pd/P-cache-host")
 
 DEFAULT_LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-on", "bidir/P-cache-off")
 
@@ -71,6 +77,7 @@ class Scenario:
     worker_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     legs: tuple[str, ...] | None = None  # what `--compare` runs when no --legs is given (None: DEFAULT_LEGS)
+    topology: str | None = None  # the stacks' shape without --topology (None: 1P1D)
     ignore_eos: bool = True  # False: answers end where a real model ends its turn
     show_conversation: bool = False  # the report shows one conversation's questions and answers, turn by turn
 
@@ -94,6 +101,11 @@ SCENARIOS = {
                                              "8x to --max-prompt-tokens by tool results, heavy-tailed think times "
                                              "(--gap-scale shortens them), three sessions at once", sessions=3,
                              legs=("pd/P-cache-off", "bidir/P-cache-off", "adaptive")),
+    "production": Scenario("production", "what an operator runs: coding-agent sessions (tool results, 50-400-token "
+                                         "answers, heavy-tailed think times; --gap-scale shortens them), twelve at "
+                                         "once, on 2P2D with P's prefix cache on (--p-pool-share sizes P's pool to a "
+                                         "share of the live histories)", sessions=12, topology="2P2D",
+                           legs=tuple(leg for leg in PRODUCTION_LEGS if leg in LEGS)),
     "memory-pressure": Scenario("memory-pressure", "32 live sessions of 1-2.5k tokens with 5-15 s think times: "
                                                    "five times what the retention legs' pool budget holds",
                                 sessions=32, legs=RETENTION_LEGS),

@@ -71,7 +71,8 @@ def leg_stack(model_dir: str, name: str, log_dir: Path, kv_cache_mb: int, scenar
     """The local stack (not yet started) that serves leg `name` of a bench comparison, laid out as `layout` says."""
     leg = LEGS[name]
     worker_args, decode_args = (scenario.worker_args, scenario.decode_args) if scenario else ([], [])
-    prefill_args = [*(scenario.prefill_args if scenario else []), *leg.prefill_args]
+    pool = ["--kv-cache-mb", str(layout.prefill_kv_cache_mb)] if layout.prefill_kv_cache_mb else []
+    prefill_args = [*pool, *(scenario.prefill_args if scenario else []), *leg.prefill_args]
     router_args = ["--path-policy", leg.path_policy, "--upstream-timeout-s", str(PREFILL_WAIT_S),
                    "--prefill-choice", layout.prefill_choice]
     if layout.network is not None:
