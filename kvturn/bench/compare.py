@@ -101,9 +101,14 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
     with stack:
         warm_up(stack.url, source)
         started_s = time.time()
+        network = layout.network if leg.mode == "pd" else None
+        before = link_counters(network)
         result = asyncio.run(client.run(stack.url, conversations, sessions=sessions or scenario.sessions,
                                         seed=seed, count_tokens=source.tokenizer.count,
                                         ignore_eos=scenario.ignore_eos))
+        after = link_counters(network)
+        result.link_bytes = {host: {way: after[host][way] - before[host][way] for way in ("in", "out")}
+                             for host in after}
         result.worker_calibration = worker_calibration(stack)
         result.worker_steps, missing = worker_steps(stack, started_s)
         if missing:
@@ -112,6 +117,13 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
     failed = sum(1 for r in result.requests if r.error)
     console.print(f"  {len(result.requests)} requests, {failed} failed, {result.runtime_s:.1f} s")
     return result
+
+
+def link_counters(network) -> dict[str, dict[str, int]]:
+    """Bytes each host's link has carried so far, into and out of its namespace ({} on one host)."""
+    if network is None:
+        return {}
+    return {host: {"in": network.bytes_into(host), "out": network.bytes_out_of(host)} for host in network.hosts}
 
 
 def run_legs(model_dir: str, legs: list[str], scenario: Scenario, conversations, seed: int, kv_cache_mb: int,

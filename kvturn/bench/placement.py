@@ -54,6 +54,13 @@ def placement_text(summaries: list[dict], topology: str, prefill_choice: str) ->
         p = s.get("placement") or {}
         if p.get("later_turns") and p.get("same_p_share") is not None and any(
                 p["prompt_token_sources"].values()):
+            sources = p["prompt_token_sources"]
+            total = sum(sources.values()) or 1
+            where = ", ".join(f"{name} {tokens / total:.0%}" for name, tokens in sources.items())
+            links = s.get("link_bytes") or {}
+            carried = sum(way["out"] for way in links.values()) / 2**20 if links else None
             lines.append(f"  {s['leg']}: same P {pct(p['same_p_share'])}, P cache held {pct(p['p_cache_held_share'])}"
-                         f", TTFT p50 {ms(p['later_ttft_p50_ms_same_p'])} / {ms(p['later_ttft_p50_ms_other_p'])}")
+                         f", TTFT p50 {ms(p['later_ttft_p50_ms_same_p'])} / {ms(p['later_ttft_p50_ms_other_p'])}; "
+                         f"later prompts' tokens from: {where}"
+                         + (f"; links carried {carried:.1f} MiB" if carried is not None else ""))
     return "\n".join(lines)

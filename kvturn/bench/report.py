@@ -48,6 +48,7 @@ def summarize(name: str, result: RunResult) -> dict:
         "bytes_d_to_p": sum(r.bytes_d_to_p for r in ok),
         "bytes_p_to_d": sum(r.bytes_p_to_d for r in ok),
         "placement": placement(result.requests),
+        "link_bytes": result.link_bytes,
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
         "mean_retained_kv_bytes": float(np.mean([b for _, b in result.retained_kv])) if result.retained_kv else 0.0,
     }
