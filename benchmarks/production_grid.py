@@ -116,6 +116,41 @@ def summarize_cell(cell: dict) -> dict:
             "failed": sum(s["failed"] for run in repeat_summaries(results) for s in run.values())}
 
 
+PLANNED_LEGS = ("pd/P-cache-on", "bidir/P-cache-on", "adaptive/P-cache-on")  # those the planner simulates
+
+
+def plan_cell(args, cell: dict, calibration: Path, out: Path) -> dict:
+    """`kvturn plan` of one cell from another cell's run: the gains it predicts against those measured."""
+    command = [sys.executable, "-m", "kvturn.cli", "plan", "--scenario", "production", "--calibration",
+               str(calibration), "--topology", args.topology, "--prefill-choice", args.prefill_choice,
+               "--sessions", str(args.sessions), "--max-prompt-tokens", str(args.max_prompt_tokens),
+               "--gap-scale", str(args.gap_scale), "--seed", str(args.seed), "--one-host",
+               "--legs", ",".join(PLANNED_LEGS), "--ttls", "480", "--host-budgets", "", "--out", str(out)]
+    if cell.get("link_measured_gbit_per_s"):
+        command += ["--link", f"{cell['link_measured_gbit_per_s']:.3f}gbit:{args.delay}",
+                    "--link-read-fixed-ms", f"{cell.get('link_fixed_ms') or 0.0:.3f}"]
+    if cell.get("prefill_kv_cache_mb") and cell["pressure"] != "none":
+        command += ["--prefill-kv-cache-mb", str(cell["prefill_kv_cache_mb"])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not (out / "plan.json").exists():
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["kvturn plan failed"]}
+    legs = json.loads((out / "plan.json").read_text())["legs"]
+    predicted = {}
+    for measure, key in (("session_p50_s", "session"), ("ttft_p50_ms", "ttft")):
+        values = {leg: legs[leg][measure] for leg in PLANNED_LEGS if legs.get(leg, {}).get(measure)}
+        if "pd/P-cache-on" in values:
+            predicted[key] = {leg: values["pd/P-cache-on"] / values[leg] for leg in BIDIR_LEGS if leg in values}
+    comparison = {}
+    for leg in BIDIR_LEGS:
+        for key in ("session", "ttft"):
+            measured = (cell["gains"].get(leg, {}).get(key) or {}).get("median")
+            guess = predicted.get(key, {}).get(leg)
+            if measured and guess:
+                comparison[f"{leg} {key}"] = {"predicted": guess, "measured": measured,
+                                              "error": guess / measured - 1}
+    return {"command": " ".join(["kvturn", *command[3:]]), "gains": comparison}
+
+
 def fmt(gain: dict | None) -> str:
     if not gain:
         return "-"
@@ -153,10 +188,35 @@ def render(grid: dict) -> str:
                      f"{fmt(g.get('adaptive_vs_better_fixed', {}).get('session'))} | {words}"
                      f"{'; ' + str(cell['failed']) + ' failed' if cell['failed'] else ''} | "
                      f"{cell['load_before'][0]:.1f}/{cell['load_after'][0]:.1f} |")
+    checks = grid.get("plan_check")
+    if checks:
+        lines += ["", f"## The planner on cells it was not calibrated on (calibrated on {checks['calibrated_on']})",
+                  "", "| cell | gain | predicted | measured | error |", "|---|---|---|---|---|"]
+        for name, check in checks["cells"].items():
+            if "error" in check:
+                lines.append(f"| {name} | kvturn plan failed: {check['error']} | | | |")
+            for gain, row in check.get("gains", {}).items():
+                lines.append(f"| {name} | {gain} | {row['predicted']:.2f}x | {row['measured']:.2f}x | "
+                             f"{row['error']:+.0%}{'' if abs(row['error']) <= 0.2 else ' (outside 20%)'} |")
+        within = [abs(r["error"]) <= 0.2 for c in checks["cells"].values() for r in c.get("gains", {}).values()]
+        if within:
+            lines += ["", f"{sum(within)} of {len(within)} predicted gains within 20% of the measured ones. The "
+                          "compute is this machine's calibration: another machine's compute the planner cannot know."]
     if any(c.get("delay_applied") is False for c in grid["cells"]):
         lines += ["", "The links' delay was not applied: this kernel has no netem (rate only, tbf)."]
     lines += ["", f"Command: `{grid['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def plan_check(args, cells: list[dict]) -> dict | None:
+    names = {cell_name(c["link"], c["pressure"]): c for c in cells if "error" not in c}
+    chosen = args.calibrate_on or next(iter(names), None)
+    if chosen not in names or len(names) < 2:
+        return None
+    calibration = Path(names[chosen]["folder"]) / "results.json"
+    return {"calibrated_on": chosen,
+            "cells": {name: plan_cell(args, cell, calibration, args.out / "plans" / name)
+                      for name, cell in names.items() if name != chosen}}
 
 
 def main() -> None:
@@ -174,10 +234,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/production-grid"))
     parser.add_argument("--report-only", action="store_true", help="re-render the table from OUT/grid.json")
+    parser.add_argument("--calibrate-on", default=None, help="the cell kvturn plan is calibrated on (default: the "
+                        "first); the planner predicts every other cell's gains from it ('none': no check)")
     args = parser.parse_args()
     grid_path = args.out / "grid.json"
     if args.report_only:
         grid = json.loads(grid_path.read_text())
+        for key, value in grid["settings"].items():  # the plan check replans with the settings the grid ran
+            if key not in ("calibrate_on",):
+                setattr(args, key, value)
         grid["cells"] = [summarize_cell(cell) for cell in grid["cells"]]
     else:
         cells = [run_cell(args, link, pressure, args.out / "cells" / cell_name(link, pressure))
@@ -185,6 +250,8 @@ def main() -> None:
         grid = {"machine": machine(), "command": " ".join(["python", "benchmarks/production_grid.py", *sys.argv[1:]]),
                 "settings": {key: value for key, value in vars(args).items() if key not in ("out", "report_only")},
                 "cells": [summarize_cell(cell) for cell in cells]}
+    if args.calibrate_on != "none" and (not args.report_only or args.calibrate_on):  # --report-only: asked for
+        grid["plan_check"] = plan_check(args, grid["cells"])
     write_json(grid_path, grid)
     table = render(grid)
     (args.out / "table.md").write_text(table)

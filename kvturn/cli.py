@@ -438,8 +438,11 @@ def bench(
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
+    answers = comparison.answers_equal(results) if compare else None
     if compare:
         console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
+    if answers:
+        console.print(comparison.answers_text(answers))
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -472,7 +475,7 @@ def bench(
                           "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
-               "summaries": summaries,
+               "summaries": summaries, "answers_equal": answers,
                "ideal_speedup": ideal, "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
@@ -538,6 +541,8 @@ def plan(
                                                       "keeps its own start times)"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep scenario"),
+    gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply a scenario's think times, as "
+                                    "kvturn bench --gap-scale"),
     seed: int = typer.Option(0),
     one_host: bool = typer.Option(False, "--one-host", help="all workers share this machine's cores, as kvturn bench "
                                                             "--compare runs them (slowdown calibrated from the run)"),
@@ -608,7 +613,7 @@ def plan(
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients,
-                                           sessions)
+                                           sessions, gap_scale)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
         predict.bounded(workload, cost_model)
