@@ -113,6 +113,7 @@ def summarize_cell(cell: dict) -> dict:
             "link_measured_gbit_per_s": measured.get("measured_bytes_per_s", 0) * 8 / 1e9 or None,
             "link_fixed_ms": measured.get("measured_fixed_ms"), "delay_applied": measured.get("delay_applied"),
             "placement": {leg: s.get("placement") for leg, s in first.items()},
+            "bytes_d_to_p": sum(s.get("bytes_d_to_p", 0) for s in first.values()),
             "failed": sum(s["failed"] for run in repeat_summaries(results) for s in run.values())}
 
 
@@ -133,7 +134,8 @@ def plan_cell(args, cell: dict, calibration: Path, out: Path) -> dict:
         command += ["--prefill-kv-cache-mb", str(cell["prefill_kv_cache_mb"])]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not (out / "plan.json").exists():
-        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["kvturn plan failed"]}
+        said = " ".join(line.strip("│╭╮╰╯─ ") for line in (done.stderr or done.stdout).splitlines()[-6:])
+        return {"error": said.strip() or "kvturn plan failed"}
     legs = json.loads((out / "plan.json").read_text())["legs"]
     predicted = {}
     for measure, key in (("session_p50_s", "session"), ("ttft_p50_ms", "ttft")):
@@ -210,9 +212,10 @@ def render(grid: dict) -> str:
 
 def plan_check(args, cells: list[dict]) -> dict | None:
     names = {cell_name(c["link"], c["pressure"]): c for c in cells if "error" not in c}
-    chosen = args.calibrate_on or next(iter(names), None)
+    # the planner fits KV bytes and read time to reads of D's history: the first cell whose legs read some
+    chosen = args.calibrate_on or next((name for name, c in names.items() if c.get("bytes_d_to_p")), None)
     if chosen not in names or len(names) < 2:
-        return None
+        return {"calibrated_on": chosen or "nothing: no cell read KV back from a decode worker", "cells": {}}
     calibration = Path(names[chosen]["folder"]) / "results.json"
     return {"calibrated_on": chosen,
             "cells": {name: plan_cell(args, cell, calibration, args.out / "plans" / name)
@@ -234,6 +237,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/production-grid"))
     parser.add_argument("--report-only", action="store_true", help="re-render the table from OUT/grid.json")
+    parser.add_argument("--keep-cells", action="store_true", help="keep OUT/grid.json's cells this run does not "
+                        "run again (a grid grown a few cells at a time, with the same settings)")
     parser.add_argument("--calibrate-on", default=None, help="the cell kvturn plan is calibrated on (default: the "
                         "first); the planner predicts every other cell's gains from it ('none': no check)")
     args = parser.parse_args()
@@ -247,8 +252,13 @@ def main() -> None:
     else:
         cells = [run_cell(args, link, pressure, args.out / "cells" / cell_name(link, pressure))
                  for link in args.links.split(",") for pressure in args.pressures.split(",")]
+        if grid_path.exists() and args.keep_cells:  # cells of an earlier run of the same settings stay
+            ran = {cell_name(c["link"], c["pressure"]) for c in cells}
+            cells = [c for c in json.loads(grid_path.read_text())["cells"]
+                     if cell_name(c["link"], c["pressure"]) not in ran] + cells
         grid = {"machine": machine(), "command": " ".join(["python", "benchmarks/production_grid.py", *sys.argv[1:]]),
-                "settings": {key: value for key, value in vars(args).items() if key not in ("out", "report_only")},
+                "settings": {key: value for key, value in vars(args).items()
+                             if key not in ("out", "report_only", "keep_cells")},
                 "cells": [summarize_cell(cell) for cell in cells]}
     if args.calibrate_on != "none" and (not args.report_only or args.calibrate_on):  # --report-only: asked for
         grid["plan_check"] = plan_check(args, grid["cells"])
