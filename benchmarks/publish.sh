@@ -27,6 +27,9 @@ run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max
 for tokens in 4000 16000 32000; do
     run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
 done
+# The answer grid: production scenario on 2P2D, P's cache on, across links and P-pool pressure (netns cells: root)
+run production-grid $PY benchmarks/production_grid.py --links shm,10gbit --pressures none,0.33 --repeats 1 \
+    --sessions 12 --max-prompt-tokens 2048 --out "$OUT/production-grid"
 run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
 run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
 run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
