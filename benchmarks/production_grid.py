@@ -38,6 +38,8 @@ def run_cell(args, link: str, pressure: str, out: Path) -> dict:
                "--out", str(out)]
     if link != "shm":
         command += ["--hosts", "netns", "--link", f"{link}:{args.delay}"]
+    if args.model:
+        command += ["--model", args.model]
     if pressure != "none":
         command += ["--p-pool-share", pressure]
     load_before = os.getloadavg()
@@ -114,6 +116,7 @@ def summarize_cell(cell: dict) -> dict:
             "link_fixed_ms": measured.get("measured_fixed_ms"), "delay_applied": measured.get("delay_applied"),
             "placement": {leg: s.get("placement") for leg, s in first.items()},
             "bytes_d_to_p": sum(s.get("bytes_d_to_p", 0) for s in first.values()),
+            "answers_equal": results.get("answers_equal"),
             "failed": sum(s["failed"] for run in repeat_summaries(results) for s in run.values())}
 
 
@@ -163,8 +166,9 @@ def fmt(gain: dict | None) -> str:
 
 def render(grid: dict) -> str:
     m = grid["machine"]
+    model = grid["settings"].get("model") or "the embedded tiny model"
     lines = [f"# Does bidirectional KV transfer pay? (production scenario, {grid['settings']['topology']}, "
-             f"P's prefix cache on)", "",
+             f"P's prefix cache on, {model})", "",
              f"{m['cpu']}, {m['cores']} cores, {m['date']}, commit {m['commit']}; {grid['settings']['sessions']} "
              f"sessions, contexts to {grid['settings']['max_prompt_tokens']} tokens, gap scale "
              f"{grid['settings']['gap_scale']}, prefill choice {grid['settings']['prefill_choice']}, "
@@ -190,6 +194,12 @@ def render(grid: dict) -> str:
                      f"{fmt(g.get('adaptive_vs_better_fixed', {}).get('session'))} | {words}"
                      f"{'; ' + str(cell['failed']) + ' failed' if cell['failed'] else ''} | "
                      f"{cell['load_before'][0]:.1f}/{cell['load_after'][0]:.1f} |")
+    for cell in grid["cells"]:
+        equal = cell.get("answers_equal") or {}
+        rows = [f"{leg} {row['equal']} of {row['compared']}" for leg, row in equal.items() if leg != "reference_leg"]
+        if rows:
+            lines.append(f"\n{cell_name(cell['link'], cell['pressure'])}: answers equal to "
+                         f"{equal['reference_leg']}'s, turn by turn: {', '.join(rows)}.")
     checks = grid.get("plan_check")
     if checks:
         lines += ["", f"## The planner on cells it was not calibrated on (calibrated on {checks['calibrated_on']})",
@@ -235,6 +245,7 @@ def main() -> None:
     parser.add_argument("--prefill-choice", default="prefix-affine")
     parser.add_argument("--legs", default=",".join(SCENARIOS["production"].legs))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=None, help="a pulled model's name (e.g. smollm2); default: the embedded one")
     parser.add_argument("--out", type=Path, default=Path("results/production-grid"))
     parser.add_argument("--report-only", action="store_true", help="re-render the table from OUT/grid.json")
     parser.add_argument("--keep-cells", action="store_true", help="keep OUT/grid.json's cells this run does not "
