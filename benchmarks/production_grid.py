@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvturn.bench.catalog import LEGS, SCENARIOS  # noqa: E402
 from kvturn.bench.machine import machine, write_json  # noqa: E402
 
-BIDIR_LEGS = ("bidir/P-cache-on", "adaptive/P-cache-on")
+import grid_plan  # noqa: E402
+
+BIDIR_LEGS = grid_plan.BIDIR_LEGS
 NOISE = 0.05  # with one repeat there is no spread: a gain within 5% of 1 is called "within 5%", not a winner
 
 
@@ -120,42 +122,6 @@ def summarize_cell(cell: dict) -> dict:
             "failed": sum(s["failed"] for run in repeat_summaries(results) for s in run.values())}
 
 
-PLANNED_LEGS = ("pd/P-cache-on", "bidir/P-cache-on", "adaptive/P-cache-on")  # those the planner simulates
-
-
-def plan_cell(args, cell: dict, calibration: Path, out: Path) -> dict:
-    """`kvturn plan` of one cell from another cell's run: the gains it predicts against those measured."""
-    command = [sys.executable, "-m", "kvturn.cli", "plan", "--scenario", "production", "--calibration",
-               str(calibration), "--topology", args.topology, "--prefill-choice", args.prefill_choice,
-               "--sessions", str(args.sessions), "--max-prompt-tokens", str(args.max_prompt_tokens),
-               "--gap-scale", str(args.gap_scale), "--seed", str(args.seed), "--one-host",
-               "--legs", ",".join(PLANNED_LEGS), "--ttls", "480", "--host-budgets", "", "--out", str(out)]
-    if cell.get("link_measured_gbit_per_s"):
-        command += ["--link", f"{cell['link_measured_gbit_per_s']:.3f}gbit:{args.delay}",
-                    "--link-read-fixed-ms", f"{cell.get('link_fixed_ms') or 0.0:.3f}"]
-    if cell.get("prefill_kv_cache_mb") and cell["pressure"] != "none":
-        command += ["--prefill-kv-cache-mb", str(cell["prefill_kv_cache_mb"])]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not (out / "plan.json").exists():
-        said = " ".join(line.strip("│╭╮╰╯─ ") for line in (done.stderr or done.stdout).splitlines()[-6:])
-        return {"error": said.strip() or "kvturn plan failed"}
-    legs = json.loads((out / "plan.json").read_text())["legs"]
-    predicted = {}
-    for measure, key in (("session_p50_s", "session"), ("ttft_p50_ms", "ttft")):
-        values = {leg: legs[leg][measure] for leg in PLANNED_LEGS if legs.get(leg, {}).get(measure)}
-        if "pd/P-cache-on" in values:
-            predicted[key] = {leg: values["pd/P-cache-on"] / values[leg] for leg in BIDIR_LEGS if leg in values}
-    comparison = {}
-    for leg in BIDIR_LEGS:
-        for key in ("session", "ttft"):
-            measured = (cell["gains"].get(leg, {}).get(key) or {}).get("median")
-            guess = predicted.get(key, {}).get(leg)
-            if measured and guess:
-                comparison[f"{leg} {key}"] = {"predicted": guess, "measured": measured,
-                                              "error": guess / measured - 1}
-    return {"command": " ".join(["kvturn", *command[3:]]), "gains": comparison}
-
-
 def fmt(gain: dict | None) -> str:
     if not gain:
         return "-"
@@ -200,36 +166,11 @@ def render(grid: dict) -> str:
         if rows:
             lines.append(f"\n{cell_name(cell['link'], cell['pressure'])}: answers equal to "
                          f"{equal['reference_leg']}'s, turn by turn: {', '.join(rows)}.")
-    checks = grid.get("plan_check")
-    if checks:
-        lines += ["", f"## The planner on cells it was not calibrated on (calibrated on {checks['calibrated_on']})",
-                  "", "| cell | gain | predicted | measured | error |", "|---|---|---|---|---|"]
-        for name, check in checks["cells"].items():
-            if "error" in check:
-                lines.append(f"| {name} | kvturn plan failed: {check['error']} | | | |")
-            for gain, row in check.get("gains", {}).items():
-                lines.append(f"| {name} | {gain} | {row['predicted']:.2f}x | {row['measured']:.2f}x | "
-                             f"{row['error']:+.0%}{'' if abs(row['error']) <= 0.2 else ' (outside 20%)'} |")
-        within = [abs(r["error"]) <= 0.2 for c in checks["cells"].values() for r in c.get("gains", {}).values()]
-        if within:
-            lines += ["", f"{sum(within)} of {len(within)} predicted gains within 20% of the measured ones. The "
-                          "compute is this machine's calibration: another machine's compute the planner cannot know."]
+    lines += grid_plan.render(grid.get("plan_check"))
     if any(c.get("delay_applied") is False for c in grid["cells"]):
         lines += ["", "The links' delay was not applied: this kernel has no netem (rate only, tbf)."]
     lines += ["", f"Command: `{grid['command']}`"]
     return "\n".join(lines) + "\n"
-
-
-def plan_check(args, cells: list[dict]) -> dict | None:
-    names = {cell_name(c["link"], c["pressure"]): c for c in cells if "error" not in c}
-    # the planner fits KV bytes and read time to reads of D's history: the first cell whose legs read some
-    chosen = args.calibrate_on or next((name for name, c in names.items() if c.get("bytes_d_to_p")), None)
-    if chosen not in names or len(names) < 2:
-        return {"calibrated_on": chosen or "nothing: no cell read KV back from a decode worker", "cells": {}}
-    calibration = Path(names[chosen]["folder"]) / "results.json"
-    return {"calibrated_on": chosen,
-            "cells": {name: plan_cell(args, cell, calibration, args.out / "plans" / name)
-                      for name, cell in names.items() if name != chosen}}
 
 
 def main() -> None:
@@ -272,7 +213,7 @@ def main() -> None:
                              if key not in ("out", "report_only", "keep_cells")},
                 "cells": [summarize_cell(cell) for cell in cells]}
     if args.calibrate_on != "none" and (not args.report_only or args.calibrate_on):  # --report-only: asked for
-        grid["plan_check"] = plan_check(args, grid["cells"])
+        grid["plan_check"] = grid_plan.plan_check(args, grid["cells"])
     write_json(grid_path, grid)
     table = render(grid)
     (args.out / "table.md").write_text(table)
