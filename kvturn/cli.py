@@ -91,6 +91,7 @@ def worker(
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
     otlp_traces_endpoint: Optional[str] = option(WorkerConfig, "otlp_traces_endpoint"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
     num_kv_blocks: Optional[int] = option(EngineConfig, "num_kv_blocks"),
@@ -119,7 +120,8 @@ def worker(
     engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    prefill_pack_tokens=prefill_pack_tokens, max_model_len=max_model_len,
-                   enable_prefix_caching=prefix_caching, dtype=dtype, step_history_steps=step_history_steps)
+                   enable_prefix_caching=prefix_caching, prefix_host_mb=prefix_host_mb, dtype=dtype,
+                   step_history_steps=step_history_steps)
     connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                       decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
