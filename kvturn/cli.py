@@ -310,7 +310,7 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import client, compare as comparison, report, spread, workload
+    from kvturn.bench import client, compare as comparison, prefix_sources, report, spread, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -366,6 +366,8 @@ def bench(
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
+    sources = prefix_sources.by_leg(results)
+    prefix_sources.print_table(sources, console)
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -394,7 +396,7 @@ def bench(
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
                "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
-               "summaries": summaries,
+               "summaries": summaries, "prefix_sources": sources,
                "ideal_speedup": ideal, "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
@@ -407,7 +409,7 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, words, ideal_spread))
+                                            ratios, words, ideal_spread) + prefix_sources.markdown(sources))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,

@@ -136,3 +136,20 @@ def test_a_worker_serves_a_second_turn_from_its_prefix_host_tier(worker):
     assert first["choices"][0]["text"] and second["kvturn"]["prompt_tokens_computed"] == len(HISTORY) + 3 - 6 * 16
     metrics = httpx.get(f"{worker}/metrics").text
     assert 'kvturn_prefix_cache_hit_tokens_total{tier="host"}' in metrics
+
+
+def test_the_report_says_where_each_later_turns_prompt_came_from():
+    from kvturn.bench.client import RequestRecord, RunResult
+    from kvturn.bench.prefix_sources import leg_sources
+    result = RunResult()
+    result.requests += [
+        RequestRecord("c", 0, 0, 1, 0.0, warmup=False, input_num_tokens=500),  # a first turn: not counted
+        RequestRecord("c", 0, 1, 3, 0.0, warmup=False, input_num_tokens=1000, prompt_tokens_cached_prefill=600,
+                      prompt_tokens_cached_prefill_host=400),
+        RequestRecord("c", 0, 2, 5, 0.0, warmup=False, input_num_tokens=1000, prompt_tokens_cached_prefill=100,
+                      prompt_tokens_from_decode=800, kv_tier="host"),
+    ]
+    sources = leg_sources(result)
+    assert sources["later_turns"] == 2
+    assert sources["tokens"] == {"P pool": 300, "P host": 400, "D pool": 0, "D host": 800, "computed": 500}
+    assert sources["turns_mostly_from"]["P host"] == 1 and sources["turns_mostly_from"]["D host"] == 1
