@@ -204,6 +204,7 @@ def serve(
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     admin_key: list[str] = option(RouterConfig, "admin_keys", "--admin-key", envvar="KVTURN_ADMIN_KEY"),
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
@@ -230,6 +231,8 @@ def serve(
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    build(EngineConfig, prefix_host_mb=prefix_host_mb, enable_prefix_caching=prefix_caching_on_prefill)
+    prefill_args = ["--prefix-host-mb", str(prefix_host_mb)] if prefix_host_mb else []  # P's, as the bench legs'
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
                    *(a for key in api_key for a in ("--api-key", key)),
                    *(a for key in admin_key for a in ("--admin-key", key))]
@@ -243,9 +246,9 @@ def serve(
     decode_args += ["--retained-host-mb", str(retained_host_mb)] if retained_host_mb else []
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                       worker_args=worker_args, decode_args=decode_args, router_args=router_args,
-                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor,
-                       expose_internals=expose_internals)
+                       worker_args=worker_args, prefill_args=prefill_args, decode_args=decode_args,
+                       router_args=router_args, log_dir=log_dir, base_port=port, pin_workers=pin_workers,
+                       supervisor=supervisor, expose_internals=expose_internals)
     typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
     signalled: list[int] = []
 
