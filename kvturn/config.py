@@ -61,6 +61,8 @@ class EngineConfig:
                                             "the first on a CPU)")
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
+    prefix_host_mb: int = setting(0, "host tier of the prefix cache, MiB: full blocks the pool evicts are kept there "
+                                     "and copied back on a later prefix hit (0: off)")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
     step_history_steps: int = setting(20_000, "forward steps kept for /kv/steps (kvturn plan's calibration; "
                                               "~150 bytes each)")
@@ -68,6 +70,9 @@ class EngineConfig:
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_pack_tokens", "max_model_len", "step_history_steps")
+        _check(self.prefix_host_mb >= 0, f"prefix_host_mb must be 0 or more, got {self.prefix_host_mb}")
+        _check(not self.prefix_host_mb or self.enable_prefix_caching,
+               "prefix_host_mb needs prefix caching on: the host tier holds what the prefix cache evicts")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
                                                                   f"got {self.dtype!r}")
 

@@ -69,7 +69,8 @@ def leg_stack(model_dir: str, name: str, log_dir: Path, kv_cache_mb: int, scenar
     worker_args, decode_args = (scenario.worker_args, scenario.decode_args) if scenario else ([], [])
     return LocalStack(model_dir, mode=leg.mode, bidirectional=leg.bidirectional,
                       prefix_caching_on_prefill=leg.prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                      worker_args=worker_args, decode_args=[*decode_args, *leg.decode_args],
+                      worker_args=worker_args, prefill_args=list(leg.prefill_args),
+                      decode_args=[*decode_args, *leg.decode_args],
                       router_args=["--path-policy", leg.path_policy, "--upstream-timeout-s", str(PREFILL_WAIT_S)],
                       log_dir=log_dir, pin_workers=pin_workers)
 

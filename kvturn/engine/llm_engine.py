@@ -15,6 +15,7 @@ from kvturn.config import EngineConfig
 from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.engine.model_runner import ModelRunner
+from kvturn.engine.prefix_host import PrefixHostTier
 from kvturn.engine.sampling import TokenLogprob
 from kvturn.engine.scheduler import Scheduler
 from kvturn.engine.sequence import Sequence
@@ -63,8 +64,12 @@ class LLMEngine:
                         num_blocks * config.block_size)
             self.max_model_len = num_blocks * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        host_slots = config.prefix_host_mb * 2**20 // block_bytes if config.enable_prefix_caching else 0
+        self.prefix_host = PrefixHostTier(self.kv_cache, host_slots) if host_slots else None
+        if self.prefix_host is not None:
+            self.block_manager.on_evict = self.prefix_host.keep
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._reclaim_retained, config.prefill_pack_tokens)
+                                   self._reclaim_retained, config.prefill_pack_tokens, self.prefix_host)
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector: Connector | None = None
         self.emit = emit
@@ -201,6 +206,7 @@ class LLMEngine:
         stats.requests_finished += 1
         stats.prompt_tokens += seq.num_prompt_tokens
         stats.prompt_tokens_cached += seq.num_cached_tokens
+        stats.prompt_tokens_cached_host += seq.num_host_cached_tokens
         stats.prompt_tokens_remote += seq.num_remote_tokens
         stats.prompt_tokens_computed += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens
 

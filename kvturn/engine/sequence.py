@@ -48,6 +48,7 @@ class Sequence:
         self.num_published_blocks = 0
         self.block_hashes: list[int] = []  # chained hashes of its full blocks of tokens so far (full_block_hashes)
         self.num_cached_tokens = 0  # served from the local prefix cache
+        self.num_host_cached_tokens = 0  # ...of them, copied back from its host tier (engine/prefix_host.py)
         self.num_remote_tokens = 0  # read from a peer
         self.remote = remote  # the KV connector's record of blocks to read from a peer
         self.first_token_id: int | None = None  # sampled already elsewhere (P): continue from it, do not sample

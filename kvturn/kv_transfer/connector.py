@@ -104,7 +104,8 @@ class KVConnector:
         self.host = HostTier(engine.kv_cache, host_blocks) if host_blocks else None
         self.leases = LeaseTable(engine.block_manager, budget_blocks, self.host, engine.kv_cache,
                                  config.kv_lease_max_age_s, clock)
-        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host)
+        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host,
+                                    prefix_host=engine.prefix_host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
         self.abandoned: list[AbandonedRead] = []

@@ -1,7 +1,8 @@
 """Moves KV blocks between workers with NIXL READs (UCX backend, DRAM).
 
-Each worker registers its KV pool and its block-epoch array once, and a decode worker with a host
-tier its host blocks and their epochs too: every registration is here. A peer is added from the
+Each worker registers its KV pool and its block-epoch array once, a decode worker with a host
+tier its host blocks and their epochs too, and a worker whose prefix cache has a host tier (engine/prefix_host.py)
+that region and its slot epochs: every registration is here. A peer is added from the
 metadata its side channel returns; reads then go straight from the peer's memory (pool or host
 tier) into our pool, one descriptor per run of blocks consecutive on both sides, per layer and key/value
 (the pool is layer-major, engine/kv_cache.py). Called from the engine thread only.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvturn.engine.kv_cache import KVCache, KVLayout
+from kvturn.engine.prefix_host import PrefixHostTier
 from kvturn.kv_transfer.host_tier import HOST, HostTier
 
 BEFORE_LAYOUT_ORDER = "block-major"  # the pool of a peer whose layout does not name its order
@@ -90,18 +92,22 @@ def _runs(local_ids: list[int], remote_ids: list[int]):
 
 class KVTransferAgent:
     def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None,
-                 host: HostTier | None = None):
+                 host: HostTier | None = None, prefix_host: PrefixHostTier | None = None):
         self.engine_id = engine_id or f"kvturn-{uuid.uuid4().hex[:12]}"
         self.kv_cache = kv_cache
         self.layout = kv_cache.layout
         self.epochs = epochs
         self.host = host
+        self.prefix_host = prefix_host
         self.epoch_scratch = np.zeros(len(epochs), dtype=np.int64)  # remote epochs land at the local block's index
         self.agent = create_nixl_agent(self.engine_id)
         regions = [(kv_cache.base_address, kv_cache.nbytes), (epochs.ctypes.data, epochs.nbytes),
                    (self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes)]
         if host is not None:
             regions += [(host.cache.base_address, host.cache.nbytes), (host.epochs.ctypes.data, host.epochs.nbytes)]
+        if prefix_host is not None:
+            regions += [(prefix_host.cache.base_address, prefix_host.cache.nbytes),
+                        (prefix_host.epochs.ctypes.data, prefix_host.epochs.nbytes)]
         self._registrations = [self.register(address, nbytes) for address, nbytes in regions]
         self.metadata = self.agent.get_agent_metadata()
         self.peers: dict[str, Peer] = {}
@@ -123,6 +129,10 @@ class KVTransferAgent:
             host = self.host
             info["host"] = {"address": host.cache.base_address, "epochs_address": int(host.epochs.ctypes.data),
                             "num_blocks": host.num_blocks}
+        if self.prefix_host is not None:
+            region = self.prefix_host
+            info["prefix_host"] = {"address": region.cache.base_address,
+                                   "epochs_address": int(region.epochs.ctypes.data), "num_blocks": region.num_slots}
         return info
 
     def add_peer(self, info: dict) -> Peer:

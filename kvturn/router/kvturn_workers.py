@@ -139,6 +139,7 @@ class KvturnWorkers(TurnBackend):
             "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
             "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),
             "prompt_tokens_cached_prefill": prefill.get("prompt_tokens_cached"),
+            "prompt_tokens_cached_prefill_host": prefill.get("prompt_tokens_cached_host"),  # of them, P's host tier
             "bytes_d_to_p": prefill.get("kv_read_bytes", 0),
             "bytes_p_to_d": (decode or {}).get("kv_read_bytes", 0),
             "timing": {

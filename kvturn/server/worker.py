@@ -301,6 +301,7 @@ class Worker:
             "engine_id": self.engine_id,
             "prompt_tokens_computed": seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens,
             "prompt_tokens_cached": seq.num_cached_tokens,
+            "prompt_tokens_cached_host": seq.num_host_cached_tokens,  # of them, from the prefix cache's host tier
             "prompt_tokens_remote": seq.num_remote_tokens,
             "completion_tokens": seq.num_output_tokens,
             "reuse": seq.reuse_outcome,
