@@ -159,6 +159,8 @@ def router(
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
     path_policy: str = option(RouterConfig, "path_policy"),
     stall_weight: float = option(RouterConfig, "stall_weight"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    prefill_spill_ms: float = option(RouterConfig, "prefill_spill_ms"),
     backend: str = option(RouterConfig, "backend"),
     tokenizer: Optional[str] = option(RouterConfig, "tokenizer_dir", "--tokenizer"),
     kv_recompute_threshold_tokens: int = option(RouterConfig, "kv_recompute_threshold_tokens"),
@@ -181,7 +183,8 @@ def router(
                    health_interval_s=health_interval_s, max_body_mb=max_body_mb,
                    cluster_secret=cluster_secret or None, api_keys=api_key, admin_keys=admin_key,
                    expose_internals=expose_internals, path_policy=path_policy,
-                   stall_weight=stall_weight, backend=backend,
+                   stall_weight=stall_weight, prefill_choice=prefill_choice, prefill_spill_ms=prefill_spill_ms,
+                   backend=backend,
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
@@ -217,11 +220,15 @@ def serve(
     restart_backoff_s: float = option(SupervisorConfig, "restart_backoff_s"),
     restart_backoff_max_s: float = option(SupervisorConfig, "restart_backoff_max_s"),
     restart_settled_s: float = option(SupervisorConfig, "restart_settled_s"),
-    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill worker on half of this machine's cores, "
-                                     "decode worker on the other half, as on machines of their own"),
+    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill workers on half of this machine's cores, "
+                                     "decode workers on the other half, as on machines of their own"),
+    prefill: int = typer.Option(1, "--prefill", min=1, max=16, help="prefill workers"),
+    decode: int = typer.Option(1, "--decode", min=1, max=16, help="decode workers"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
 ):
-    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack.
-    Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM stops them all."""
+    """Start a router + N prefill + M decode workers (default 1P1D) on this machine, sharing a cluster secret made
+    for this stack. Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM
+    stops them all."""
     import signal
     import time
 
@@ -233,7 +240,11 @@ def serve(
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
     build(EngineConfig, prefix_host_mb=prefix_host_mb, enable_prefix_caching=prefix_caching_on_prefill)
     prefill_args = ["--prefix-host-mb", str(prefix_host_mb)] if prefix_host_mb else []  # P's, as the bench legs'
+    from kvturn.config import PREFILL_CHOICES
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
+                   "--prefill-choice", prefill_choice,
                    *(a for key in api_key for a in ("--api-key", key)),
                    *(a for key in admin_key for a in ("--admin-key", key))]
     log_dir = log_dir or default_log_dir("serve")
@@ -248,8 +259,9 @@ def serve(
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
                        worker_args=worker_args, prefill_args=prefill_args, decode_args=decode_args,
                        router_args=router_args, log_dir=log_dir, base_port=port, pin_workers=pin_workers,
-                       supervisor=supervisor, expose_internals=expose_internals)
-    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
+                       supervisor=supervisor, expose_internals=expose_internals, num_prefill=prefill,
+                       num_decode=decode)
+    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill*.log, decode*.log; this process: serve.log)")
     signalled: list[int] = []
 
     def shutdown(signum, _frame):
@@ -262,9 +274,10 @@ def serve(
     failed: list[str] = []
     try:
         with stack:
-            typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
-                       f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret "
-                       f"set, restarts {'on' if restart else 'off'})")
+            workers = ", ".join(f"{name} {url}" for name, url in stack.urls.items() if name != "router")
+            typer.echo(f"kvturn serving on {stack.url}/v1 ({prefill}P{decode}D: {workers}; prefill choice "
+                       f"{prefill_choice}, bidirectional {'on' if bidirectional else 'off'}, cluster secret set, "
+                       f"restarts {'on' if restart else 'off'})")
             while not failed:
                 time.sleep(0.2)
                 if not restart:  # nobody restarts a process that exits: stop the others with it
@@ -275,6 +288,36 @@ def serve(
             raise
     logging.getLogger("kvturn.serve").info("stopped (%s)", f"{failed} exited" if failed else "signal")
     raise typer.Exit(1 if failed else 0)
+
+
+def spec_topology(scenario: str) -> str:
+    spec = catalog.SCENARIOS.get(scenario)
+    return (spec.topology if spec else None) or "1P1D"
+
+
+def bench_layout(topology: str, prefill_choice: str, hosts: str, link: Optional[str], compare: bool):
+    """Every leg's stack shape from the bench's options, each checked."""
+    from kvturn.bench.topology import HOSTS, Layout, Topology
+    from kvturn.config import PREFILL_CHOICES
+    try:
+        shape = Topology.parse(topology)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
+    if hosts not in HOSTS:
+        raise typer.BadParameter(f"--hosts must be one of {HOSTS}")
+    if not compare and hosts != "one":
+        raise typer.BadParameter("--hosts places the stacks --compare launches")
+    if link is not None and hosts != "netns":
+        raise typer.BadParameter("--link shapes the namespaces' links: give --hosts netns")
+    if link is not None:
+        from kvturn.bench.netns import Link
+        try:
+            Link.parse(link)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return Layout(shape, prefill_choice, hosts, link)
 
 
 @app.command()
@@ -290,7 +333,8 @@ def bench(
                                 "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
                                     "(coding-agent's median 5.2 s and p99 81 s; 0.05 makes them seconds)"),
-    sessions: Optional[int] = typer.Option(None, help="sessions (clients) in parallel (default: the scenario's)"),
+    sessions: Optional[int] = typer.Option(None, help="sessions of a scenario, all at once (default: the scenario's); "
+                                            "with --workload, how many of its conversations run in parallel"),
     max_turns: Optional[int] = typer.Option(None, help="cut every conversation after this many turns"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep; the context a "
@@ -305,6 +349,20 @@ def bench(
     pin_workers: bool = typer.Option(False, "--pin-workers", help="with --compare: prefill workers on half of this "
                                      "machine's cores, decode workers on the other half, one thread a core, as on "
                                      "machines of their own (a colocated worker, the router and the client: all)"),
+    topology: Optional[str] = typer.Option(None, help="with --compare: prefill and decode workers of every P/D leg, "
+                                           "e.g. 2P2D (default: the scenario's, else 1P1D; a colocated leg runs one "
+                                           "worker)"),
+    p_pool_share: Optional[float] = typer.Option(None, "--p-pool-share", min=0.01, max=10.0,
+                                                 help="with --compare: size every prefill worker's KV pool so that "
+                                                 "together they hold this share of the workload's live histories "
+                                                 "(P's prefix cache under pressure; each still fits the longest "
+                                                 "prompt); default: --kv-cache-mb"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    hosts: str = typer.Option("one", help="with --compare: one (every process on this host, UCX as it likes) or "
+                              "netns (each worker, and the router with the client, in a network namespace of its "
+                              "own behind a veth into one bridge, UCX over TCP only; needs root)"),
+    link: Optional[str] = typer.Option(None, help="with --hosts netns: each namespace's link shaped to RATE:DELAY "
+                                       "with tc, e.g. 25gbit:50us (default: unshaped)"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
 ):
     """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""
@@ -315,6 +373,7 @@ def bench(
 
     from kvturn.bench import client, compare as comparison, prefix_sources, report, spread, workload
     from kvturn.bench.machine import machine, write_json
+    from kvturn.bench.placement import placement_text
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
     if not compare and not url:
@@ -323,6 +382,7 @@ def bench(
         raise typer.BadParameter("--repeats needs --compare: each repeat starts fresh stacks")
     if scenario not in catalog.SCENARIOS:
         raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
+    layout = bench_layout(topology or spec_topology(scenario), prefill_choice, hosts, link, compare)
     model_dir = resolve_model(model)
     tokenizer = ChatTokenizer(model_dir)
     source = workload.TextSource(tokenizer)
@@ -333,44 +393,61 @@ def bench(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     else:
-        conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns)
+        try:
+            conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns, sessions)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     for conv in conversations:
         for turn in conv.turns:
             turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
             if limit_max_tokens:
                 turn.answer_tokens = min(turn.answer_tokens, limit_max_tokens)
     workload.scale_gaps(conversations, gap_scale)
+    if p_pool_share is not None:
+        import dataclasses
+
+        from kvturn.bench.topology import prefill_pool_mb
+        layout = dataclasses.replace(layout, prefill_kv_cache_mb=prefill_pool_mb(
+            conversations, tokenizer.count, model_dir, p_pool_share, layout.topology.prefill))
     name = workload_file.stem if workload_file else scenario
     out_dir = out or Path("results") / f"bench-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
+    link_measure = None
     if compare:
         chosen = chosen_legs(legs) if legs else list(catalog.default_legs(scenario))
-        runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
-                                      out_dir / "logs", console, source, sessions, pin_workers)
+        with comparison.hosts_of(layout) as layout:  # --hosts netns: the namespaces live as long as the legs
+            runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
+                                          out_dir / "logs", console, source, sessions, pin_workers, layout)
+            ideals = [comparison.ideal_speedup(run, model_dir, layout) for run in runs]
+            link_measure = comparison.link_ideal(model_dir, layout)
+            if link_measure:
+                console.print(comparison.link_text(link_measure))
     else:
         runs = [{url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                              request_rate=request_rate, warmup_turns=warmup_turns,
                                              max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
                                              ignore_eos=spec.ignore_eos))}]
+        ideals = [None]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
-    ideals = [comparison.ideal_speedup(run, model_dir) for run in runs] if compare else [None]
     ideal = ideals[0]
     info = machine()
     leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
     words = spread.verdict(leg_spreads, ratios, repeats) if repeats > 1 else report.verdict(summaries)
     console.print(words)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
-    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})"
+    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned}; {layout.describe()})"
     if repeats > 1:
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
     sources = prefix_sources.by_leg(results)
     prefix_sources.print_table(sources, console)
+    if compare:
+        console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -398,6 +475,10 @@ def bench(
     # the first repeat where it always was (what kvturn plan reads), the others after it, every one raw
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
                "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
+               "layout": {"topology": str(layout.topology), "prefill_choice": layout.prefill_choice,
+                          "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure,
+                          "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
+                          "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries, "prefix_sources": sources,
                "ideal_speedup": ideal, "paths": paths_verdict,
@@ -511,7 +592,8 @@ def plan(
         cost_model = calibration.load_many(calibration_files)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
-            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
+            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients,
+                                           sessions)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
         predict.bounded(workload, cost_model)

@@ -61,6 +61,7 @@ class RequestRecord:
     # tokenize back to the tokens it generated); None: not counted
     answer_text_tokens: int | None = None
     kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
+    prefill_worker: str | None = None  # which P served the turn (placement.py: did it meet its history?)
     side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
     answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
@@ -101,12 +102,14 @@ class RunResult:
     # role -> the forward steps its worker ran during the run (its /kv/steps), when the bench launched it
     worker_steps: dict[str, list] = field(default_factory=dict)
     transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
+    # with --hosts netns: bytes each host's link carried during the run, into and out of its namespace
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
                 "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
-                "transcript": self.transcript}
+                "transcript": self.transcript, "link_bytes": self.link_bytes}
 
 
 class RateLimiter:
@@ -223,6 +226,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
                                                          kvturn.get("prompt_tokens_cached"))
         record.prompt_tokens_cached_prefill_host = kvturn.get("prompt_tokens_cached_prefill_host",
                                                               kvturn.get("prompt_tokens_cached_host"))
+        record.prefill_worker = kvturn.get("prefill_worker") or None
         record.queue_ms = timing.get("queue_ms")
         # P's own account (the router passes it whole), or a colocated worker's, which is its timing
         own = kvturn.get("prefill_timing")

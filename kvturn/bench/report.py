@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvturn.bench.client import RunResult
+from kvturn.bench.placement import placement
 
 BUCKET_TOKENS = 1024
 
@@ -46,6 +47,8 @@ def summarize(name: str, result: RunResult) -> dict:
         "predicted_within_20pct": _share_within(ok, 0.2),
         "bytes_d_to_p": sum(r.bytes_d_to_p for r in ok),
         "bytes_p_to_d": sum(r.bytes_p_to_d for r in ok),
+        "placement": placement(result.requests),
+        "link_bytes": result.link_bytes,
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
         "mean_retained_kv_bytes": float(np.mean([b for _, b in result.retained_kv])) if result.retained_kv else 0.0,
     }

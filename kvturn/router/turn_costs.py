@@ -33,7 +33,7 @@ class TurnCosts:
             if holder is not None:
                 running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
-        prefill = router.prefill.least_loaded()
+        prefill = turn.pick_prefill()
         tier = lease_tier.guess(entry, router.decode.find(entry.decode_url) if entry else None)
         return costmodel.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                                   prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
