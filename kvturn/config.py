@@ -95,6 +95,9 @@ class ConnectorConfig:
     kv_lease_max_age_s: float = setting(3600.0, "a lease is renewed (to its TTL again) each time its conversation "
                                                 "reads it, but never past this age, s")
     side_channel_timeout_s: float = setting(5.0, "give up on a peer's side channel after this long, s")
+    kv_read_overlap: bool = setting(True, "prefill reads a history layer by layer and computes each layer of the new "
+                                          "tokens as soon as that layer has arrived (off: the whole read, then the "
+                                          "compute)")
     cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
     trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
 
