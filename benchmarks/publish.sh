@@ -31,6 +31,9 @@ done
 run production-grid $PY benchmarks/production_grid.py --links shm,10gbit --pressures none,0.33 --repeats 1 \
     --sessions 12 --max-prompt-tokens 2048 --out "$OUT/production-grid"
 run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
+# The same host MiB spent on P's prefix cache (a host tier) or on D's leases, against P/D and bidir without it
+run prefix-host $PY -m kvturn.cli bench --compare --scenario agent-loop --kv-cache-mb 64 \
+    --legs pd/P-cache-on,bidir/P-cache-on,pd/P-cache-host,bidir/D-host --out "$OUT/prefix-host"
 run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
 run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
 run plan-accuracy $PY benchmarks/plan_accuracy.py --workloads calibration,short-chats,long-agents,sweep \

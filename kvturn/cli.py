@@ -91,6 +91,7 @@ def worker(
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
     otlp_traces_endpoint: Optional[str] = option(WorkerConfig, "otlp_traces_endpoint"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
     num_kv_blocks: Optional[int] = option(EngineConfig, "num_kv_blocks"),
@@ -109,6 +110,7 @@ def worker(
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
     kv_lease_max_age_s: float = option(ConnectorConfig, "kv_lease_max_age_s"),
     side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
+    kv_read_overlap: bool = option(ConnectorConfig, "kv_read_overlap", "--kv-read-overlap/--no-kv-read-overlap"),
     cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
     log_level: str = typer.Option("info"),
@@ -119,13 +121,14 @@ def worker(
     engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    prefill_pack_tokens=prefill_pack_tokens, max_model_len=max_model_len,
-                   enable_prefix_caching=prefix_caching, dtype=dtype, step_history_steps=step_history_steps)
+                   enable_prefix_caching=prefix_caching, prefix_host_mb=prefix_host_mb, dtype=dtype,
+                   step_history_steps=step_history_steps)
     connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                       decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
                       retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
                       kv_lease_max_age_s=kv_lease_max_age_s, side_channel_timeout_s=side_channel_timeout_s,
-                      cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
+                      kv_read_overlap=kv_read_overlap, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,
@@ -205,6 +208,7 @@ def serve(
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     admin_key: list[str] = option(RouterConfig, "admin_keys", "--admin-key", envvar="KVTURN_ADMIN_KEY"),
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
@@ -235,6 +239,8 @@ def serve(
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    build(EngineConfig, prefix_host_mb=prefix_host_mb, enable_prefix_caching=prefix_caching_on_prefill)
+    prefill_args = ["--prefix-host-mb", str(prefix_host_mb)] if prefix_host_mb else []  # P's, as the bench legs'
     from kvturn.config import PREFILL_CHOICES
     if prefill_choice not in PREFILL_CHOICES:
         raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
@@ -252,9 +258,10 @@ def serve(
     decode_args += ["--retained-host-mb", str(retained_host_mb)] if retained_host_mb else []
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                       worker_args=worker_args, decode_args=decode_args, router_args=router_args,
-                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor,
-                       expose_internals=expose_internals, num_prefill=prefill, num_decode=decode)
+                       worker_args=worker_args, prefill_args=prefill_args, decode_args=decode_args,
+                       router_args=router_args, log_dir=log_dir, base_port=port, pin_workers=pin_workers,
+                       supervisor=supervisor, expose_internals=expose_internals, num_prefill=prefill,
+                       num_decode=decode)
     typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill*.log, decode*.log; this process: serve.log)")
     signalled: list[int] = []
 
@@ -365,7 +372,7 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import client, compare as comparison, report, spread, workload
+    from kvturn.bench import client, compare as comparison, prefix_sources, report, spread, workload
     from kvturn.bench.machine import machine, write_json
     from kvturn.bench.placement import placement_text
     from kvturn.model.tokenizer import ChatTokenizer
@@ -438,6 +445,8 @@ def bench(
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
+    sources = prefix_sources.by_leg(results)
+    prefix_sources.print_table(sources, console)
     answers = comparison.answers_equal(results) if compare else None
     if compare:
         console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
@@ -475,7 +484,7 @@ def bench(
                           "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
-               "summaries": summaries, "answers_equal": answers,
+               "summaries": summaries, "prefix_sources": sources, "answers_equal": answers,
                "ideal_speedup": ideal, "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
@@ -488,7 +497,7 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, words, ideal_spread))
+                                            ratios, words, ideal_spread) + prefix_sources.markdown(sources))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,

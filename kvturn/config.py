@@ -62,6 +62,8 @@ class EngineConfig:
                                             "the first on a CPU)")
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
+    prefix_host_mb: int = setting(0, "host tier of the prefix cache, MiB: full blocks the pool evicts are kept there "
+                                     "and copied back on a later prefix hit (0: off)")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
     step_history_steps: int = setting(20_000, "forward steps kept for /kv/steps (kvturn plan's calibration; "
                                               "~150 bytes each)")
@@ -69,6 +71,9 @@ class EngineConfig:
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_pack_tokens", "max_model_len", "step_history_steps")
+        _check(self.prefix_host_mb >= 0, f"prefix_host_mb must be 0 or more, got {self.prefix_host_mb}")
+        _check(not self.prefix_host_mb or self.enable_prefix_caching,
+               "prefix_host_mb needs prefix caching on: the host tier holds what the prefix cache evicts")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
                                                                   f"got {self.dtype!r}")
 
@@ -90,6 +95,9 @@ class ConnectorConfig:
     kv_lease_max_age_s: float = setting(3600.0, "a lease is renewed (to its TTL again) each time its conversation "
                                                 "reads it, but never past this age, s")
     side_channel_timeout_s: float = setting(5.0, "give up on a peer's side channel after this long, s")
+    kv_read_overlap: bool = setting(True, "prefill reads a history layer by layer and computes each layer of the new "
+                                          "tokens as soon as that layer has arrived (off: the whole read, then the "
+                                          "compute)")
     cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
     trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
 

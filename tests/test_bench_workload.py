@@ -117,11 +117,30 @@ def test_the_report_leads_with_a_verdict_and_shows_the_time_outside_compute_and_
     results = {"pd/P-cache-off": run(400.0, 380.0, 0.0), "bidir/P-cache-off": run(100.0, 70.0, 8 * 2**20)}
     page = write_html(tmp_path / "report.html", "t", [summarize(leg, r) for leg, r in results.items()], {},
                       {"machine": {"cores": 2}}, splits={leg: ttft_split(r) for leg, r in results.items()}).read_text()
-    verdict = page.index("bidirectional transfer cut TTFT p50 from 400 to 100 ms (4.00x), holding up to 8.0 MiB")
+    verdict = page.index("bidirectional transfer cut TTFT: TTFT p50 from 400 to 100 ms (0.25x), holding up to 8.0 MiB")
     assert verdict < page.index("<table>")
     assert "30 ms of its 100 ms TTFT p50 is outside compute and transfer" in page
     assert "<th>other: router, side channel, queues</th>" in page  # its own column of where TTFT goes
     assert "<pre>" not in page and "<td>cores</td><td>2</td>" in page
+
+
+def test_the_verdict_calls_a_leg_slower_when_its_sessions_got_slower_whatever_ttft_did():
+    """The run that started this: P's first token went out ahead of a stalled decode worker's stream."""
+    from kvturn.bench.report import verdict
+
+    def run(ttft_ms: float, tpot_ms: float, session_s: float) -> RunResult:
+        result = RunResult(runtime_s=1.0, retained_kv=[(0.0, 0.0)])
+        result.requests.append(RequestRecord("c", 0, 0, 1, 0.0, warmup=False, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                             latency_ms=ttft_ms + 40 * tpot_ms))
+        result.sessions.append(SessionRecord("c", 0, 0.0, duration_s=session_s, turns_completed=1))
+        return result
+    words = verdict([summarize("pd/P-cache-on", run(8075.0, 14.2, 65.5)),
+                     summarize("bidir/P-cache-on", run(2409.0, 278.0, 114.3))])
+    assert ("With prefix caching on on prefill, bidirectional transfer made sessions slower though it cut TTFT: "
+            "session p50 from 65.5 to 114.3 s (1.75x), TPOT p50 from 14.2 to 278.0 ms (19.58x), "
+            "TTFT p50 from 8075 to 2409 ms (0.30x)") in words
+    assert "made sessions faster: session p50 from 114.3 to 65.5 s" in verdict(
+        [summarize("pd/P-cache-on", run(2409.0, 278.0, 114.3)), summarize("bidir/P-cache-on", run(8075.0, 14.2, 65.5))])
 
 
 def test_the_split_of_ttft_adds_up_to_the_ttft_when_ps_first_token_went_ahead():

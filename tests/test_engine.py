@@ -60,9 +60,9 @@ def test_prompts_share_a_step_only_up_to_the_pack_limit(tiny_model_dir, prompts,
     llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False, prefill_pack_tokens=100))
     steps, run = [], llm.engine.runner.run
 
-    def recorded(batch):
+    def recorded(batch, before_layer=None):
         steps.append([(seq.num_computed_tokens, n) for seq, n in batch if seq.num_output_tokens == 0])
-        return run(batch)
+        return run(batch, before_layer)
 
     llm.engine.runner.run = recorded
     assert llm.generate(prompts, GREEDY) == uncached

@@ -57,3 +57,13 @@ def test_release_needs_the_binding_key():
     lease = retain(bm, leases, 2, "p-request-1", after_read=True)
     assert not leases.release(lease.handle, "someone-else")
     assert leases.release(lease.handle, "p-request-1") and bm.num_free_blocks == 32
+
+
+def test_pressure_takes_leases_but_never_a_pin_a_decode_worker_is_about_to_read():
+    bm, leases = table()
+    pin = retain(bm, leases, 2, "p-request-1", after_read=True)
+    lease = retain(bm, leases, 3, "conv-a")
+    assert leases.reclaim_oldest()  # the lease goes, though the pin is older
+    assert leases.lookup(lease.handle, "conv-a") is None and leases.lookup(pin.handle, "p-request-1") is pin
+    assert not leases.reclaim_oldest()  # only the pin is left: the pool's caller waits for D's read instead
+    assert leases.counts["reclaimed"] == 1 and leases.retained_blocks == 2

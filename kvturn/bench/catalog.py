@@ -47,6 +47,13 @@ LEGS |= {
     "retain/unbounded": Leg("retain/unbounded", "pd", True, False, "pull"),
 }
 RETENTION_LEGS = ("retain/drop-oldest", "retain/host-tier", "retain/unbounded")
+# The same host memory given to D's retention (a host tier for its leases) or to P's prefix cache (a host tier for
+# the blocks its pool evicts): the two ways an operator may spend it, compared at equal total memory.
+TIER_HOST_MB = "64"
+LEGS |= {
+    "pd/P-cache-host": Leg("pd/P-cache-host", "pd", False, True, prefill_args=("--prefix-host-mb", TIER_HOST_MB)),
+    "bidir/D-host": Leg("bidir/D-host", "pd", True, True, decode_args=("--retained-host-mb", TIER_HOST_MB)),
+}
 
 
 # The production scenario's legs: P's prefix cache on in each, and P's cache with a host tier at equal memory where
@@ -58,12 +65,13 @@ DEFAULT_LEGS = ("colocated", "pd/P-cache-on", "pd/P-cache-off", "bidir/P-cache-o
 
 def baseline_of(name: str) -> str | None:
     """The P/D leg without bidirectional transfer that leg `name` is measured against: the one with the same
-    prefix cache on P (None for a leg that is not a bidirectional P/D leg)."""
+    prefix cache on P and no host tier on it (None for a leg that is neither a bidirectional P/D leg nor one whose
+    P has a host tier)."""
     leg = LEGS[name]
-    if leg.mode != "pd" or not leg.bidirectional:
+    if leg.mode != "pd" or not (leg.bidirectional or leg.prefill_args):
         return None
     return next(other.name for other in LEGS.values()
-                if other.mode == "pd" and not other.bidirectional
+                if other.mode == "pd" and not other.bidirectional and not other.prefill_args
                 and other.prefix_caching_on_prefill == leg.prefix_caching_on_prefill)
 
 

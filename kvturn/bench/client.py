@@ -37,6 +37,8 @@ class RequestRecord:
     reuse: str | None = None
     prompt_tokens_computed_prefill: int | None = None
     prompt_tokens_from_decode: int | None = None
+    prompt_tokens_cached_prefill: int | None = None  # P's prefix cache (a colocated worker's own)...
+    prompt_tokens_cached_prefill_host: int | None = None  # ...of them, from its host tier
     queue_ms: float | None = None
     engine_wait_ms: float | None = None  # P's (a colocated worker's) engine's own wait to run it: queue, read from D
     prefill_compute_ms: float | None = None
@@ -60,7 +62,6 @@ class RequestRecord:
     answer_text_tokens: int | None = None
     kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
     prefill_worker: str | None = None  # which P served the turn (placement.py: did it meet its history?)
-    prompt_tokens_cached_prefill: int | None = None  # of the prompt, what P's own prefix cache held
     side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
     answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
@@ -221,7 +222,10 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.reuse = kvturn.get("reuse")
         record.prompt_tokens_computed_prefill = kvturn.get("prompt_tokens_computed_prefill")
         record.prompt_tokens_from_decode = kvturn.get("prompt_tokens_from_decode")
-        record.prompt_tokens_cached_prefill = kvturn.get("prompt_tokens_cached_prefill")
+        record.prompt_tokens_cached_prefill = kvturn.get("prompt_tokens_cached_prefill",
+                                                         kvturn.get("prompt_tokens_cached"))
+        record.prompt_tokens_cached_prefill_host = kvturn.get("prompt_tokens_cached_prefill_host",
+                                                              kvturn.get("prompt_tokens_cached_host"))
         record.prefill_worker = kvturn.get("prefill_worker") or None
         record.queue_ms = timing.get("queue_ms")
         # P's own account (the router passes it whole), or a colocated worker's, which is its timing

@@ -225,18 +225,18 @@ def ttft_split(result: RunResult) -> dict[str, float]:
 
 
 def verdict(summaries: list[dict]) -> str:
-    """The run in words: what bidirectional transfer did to TTFT against the same P/D leg without it, what
-    decode workers retained for it, and how much of TTFT was neither compute nor transfer."""
+    """The run in words: what bidirectional transfer did to whole sessions, decoding (TPOT) and TTFT against the same
+    P/D leg without it, what decode workers retained for it, and how much of TTFT was neither compute nor transfer.
+    A leg whose sessions took longer is called slower whatever its TTFT did: P's first token goes out ahead of D's
+    stream, so a stalled decode worker shows in TPOT and session time only."""
     legs = {s["leg"]: s for s in summaries}
     words = []
     for cache in ("off", "on"):
         off, on = legs.get(f"pd/P-cache-{cache}"), legs.get(f"bidir/P-cache-{cache}")
         if off and on and off["ttft_ms"] and on["ttft_ms"]:
-            before, after = off["ttft_ms"]["p50"], on["ttft_ms"]["p50"]
-            words.append(f"With prefix caching {cache} on prefill, bidirectional transfer "
-                         f"{'cut' if after < before else 'did not cut'} TTFT p50 from {before:.0f} to {after:.0f} ms "
-                         f"({before / after:.2f}x), holding up to {on['peak_retained_kv_bytes'] / 2**20:.1f} MiB of "
-                         f"retained KV on decode workers.")
+            words.append(f"With prefix caching {cache} on prefill, bidirectional transfer {pair_words(off, on)}, "
+                         f"holding up to {on['peak_retained_kv_bytes'] / 2**20:.1f} MiB of retained KV on decode "
+                         f"workers.")
     for s in summaries:
         ttft, other = s["ttft_ms"].get("p50"), s.get("other_ms", {}).get("p50")
         if ttft and other is not None:
@@ -245,6 +245,27 @@ def verdict(summaries: list[dict]) -> str:
         words = [f"{s['leg']}: TTFT p50 {s['ttft_ms'].get('p50', float('nan')):.0f} ms, {s['failed']} failed."
                  for s in summaries]
     return " ".join(words)
+
+
+def pair_words(before: dict, after: dict) -> str:
+    """"made sessions slower: session p50 from A to B s (B/A), TPOT p50 ..., TTFT p50 ...":
+    sessions decide the word; without session times, TTFT does."""
+    figures = [("session p50", "session_time_s", "s", "{:.1f}"), ("TPOT p50", "tpot_ms", "ms", "{:.1f}"),
+               ("TTFT p50", "ttft_ms", "ms", "{:.0f}")]
+    parts, ratios = [], {}
+    for label, key, unit, form in figures:
+        old, new = before[key].get("p50"), after[key].get("p50")
+        if old and new is not None:
+            ratios[key] = new / old
+            parts.append(f"{label} from {form.format(old)} to {form.format(new)} {unit} ({new / old:.2f}x)")
+    if "session_time_s" in ratios:
+        slower = ratios["session_time_s"] > 1
+        head = f"made sessions {'slower' if slower else 'faster'}"
+        if slower and ratios.get("ttft_ms", 1) < 1:
+            head += " though it cut TTFT"
+    else:
+        head = "cut TTFT" if ratios["ttft_ms"] < 1 else "did not cut TTFT"
+    return f"{head}: " + ", ".join(parts)
 
 
 def _details(extra: dict) -> str:

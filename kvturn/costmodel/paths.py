@@ -63,7 +63,7 @@ def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
     full = model.compute_ms("prefill", turn.prompt_tokens, 0)
     out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full, turn.prompt_tokens)}
     if turn.retained_tokens > 0:
-        pull = model.read_ms(retained, tier=turn.retained_tier) + model.compute_ms("prefill", new, retained)
+        pull = model.pull_ms(model.read_ms(retained, tier=turn.retained_tier), model.compute_ms("prefill", new, retained))
         out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull, new)
     if turn.retained_tokens > 0 and turn.decode_available:
         # D's measured compute of a prompt includes the decodes it shares its step with; before that step the

@@ -23,8 +23,9 @@ from kvturn.engine.sequence import Sequence, Status
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
+from kvturn.kv_transfer.layered_reads import LayeredRead, LayerWait, advance, verify
 from kvturn.kv_transfer.leases import LeaseTable
-from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, PartlyPosted
 from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ class PendingLoad:
 
 @dataclass(slots=True)
 class AbandonedRead:
-    """A read we gave up on: its target blocks stay held until NIXL is done with them."""
-    handle: object
+    """A read we gave up on: its target blocks stay held until NIXL is done with every transfer of it."""
+    handles: list
     block_ids: list[int]
 
 
@@ -104,9 +105,11 @@ class KVConnector:
         self.host = HostTier(engine.kv_cache, host_blocks) if host_blocks else None
         self.leases = LeaseTable(engine.block_manager, budget_blocks, self.host, engine.kv_cache,
                                  config.kv_lease_max_age_s, clock)
-        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host)
+        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host,
+                                    prefix_host=engine.prefix_host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
+        self.layered: list[LayeredRead] = []  # reads posted layer by layer, their sequences running (layered_reads.py)
         self.abandoned: list[AbandonedRead] = []
         self._last_expiry_check = 0.0
         engine.attach_connector(self)
@@ -146,6 +149,8 @@ class KVConnector:
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
         if not decision.loads:
             self.decline(seq, decision.reason)
+        elif self._overlaps(seq, decision):
+            self._start_layered_read(seq, decision)
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
@@ -197,6 +202,107 @@ class KVConnector:
         self.loads.append(PendingLoad(seq, handle, local_ids, remote_ids, started, decision,
                                       gives_up_at, self.engine.step_seconds))
         return True
+
+    def _overlaps(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """P's read of a history, layer by layer beside its compute; not D's read of what P prefilled for it."""
+        remote = seq.remote
+        return (self.config.kv_read_overlap and not decision.whole_prompt and not remote.prefilled_for_us
+                and remote.first_token_id is None)
+
+    def _start_layered_read(self, seq: Sequence, decision: policy.ReuseDecision) -> None:
+        """Post the read a layer at a time and let the sequence run: its step waits for each layer as it gets
+        there (the LayerWait of layer_waiter), and counts nothing before step_done has verified the read."""
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
+        started, failed = time.perf_counter(), None
+        try:
+            handles = self.nixl.start_layer_reads(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
+        except PartlyPosted as exc:
+            log.warning("a layered KV read from %s failed part way through its posts", remote.peer_engine_id)
+            handles, failed = exc.handles, policy.READ_FAILED  # recomputes when its step ends, as a failed read
+        except Exception:
+            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
+            self.decline(seq, policy.READ_FAILED)
+            return
+        self.layered.append(LayeredRead(seq, handles, local_ids, remote_ids, decision, started,
+                                        self.clock() + self.config.kv_read_timeout_s, self.engine.step_seconds,
+                                        failed=failed))
+        seq.num_computed_tokens = last * self.block_size
+
+    def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
+        """What the step's forward pass calls before each layer, when the step computes a layered read's tokens."""
+        if not self.layered:
+            return None
+        in_step = {id(seq) for seq, _ in batch}
+        reads = [read for read in self.layered if id(read.seq) in in_step]
+        for read in reads:
+            if read.first_step_at is None:
+                read.steps_before_first = min(self.engine.step_seconds - read.steps_before,
+                                              time.perf_counter() - read.started)
+        return LayerWait(reads, self.nixl, self.clock) if reads else None
+
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
+        """After a step's forward pass: verify the layered reads it computed on. Returns the sequences whose read
+        failed: nothing of this step counts for them, they recompute from their local prefix-cache hit."""
+        if not self.layered:
+            return set()
+        in_step, rejected = {id(seq) for seq, _ in batch}, set()
+        for read in list(self.layered):
+            if id(read.seq) in in_step:
+                verify(read, self.nixl, self.clock)
+            else:
+                advance(read, self.nixl, self.clock())
+                if not read.failed:
+                    continue  # its sequence computes in a later step
+            if read.failed:
+                rejected.add(read.seq)
+                self._fallback_layered(read)
+            else:
+                self._complete_layered(read)
+        return rejected
+
+    def _complete_layered(self, read: LayeredRead) -> None:
+        self.layered.remove(read)
+        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
+        elapsed = read.read_s()
+        seq.num_remote_tokens = (last - first) * self.block_size
+        seq.timing.kv_read_hidden_s += max(elapsed - (read.first_step_at - read.started) - read.waited_s, 0.0)
+        self._count_read(seq, elapsed, read.steps_before_first, len(read.local_ids))
+
+    def _fallback_layered(self, read: LayeredRead) -> None:
+        """As _fallback, for a sequence that ran: back to its local hit; blocks still being written are swapped for
+        fresh ones (or, with none free, it is preempted)."""
+        self.layered.remove(read)
+        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
+        self.decline(seq, read.failed)
+        if read.generator_state is not None:
+            seq.generator.set_state(read.generator_state)
+        seq.num_computed_tokens = first * self.block_size
+        if not read.in_flight:
+            return
+        self.abandoned.append(AbandonedRead(read.in_flight, list(read.local_ids)))
+        blocks = self.engine.block_manager
+        if blocks.num_free_blocks < last - first:
+            seq.block_table = seq.block_table[:first] + seq.block_table[last:]
+            self.engine.scheduler.preempt(seq)
+            return
+        seq.block_table[first:last] = [blocks.allocate_new() for _ in range(last - first)]
+
+    def on_preempt(self, seq: Sequence) -> None:
+        """The scheduler frees a running sequence's blocks: a layered read into them is given up (the sequence
+        recomputes when readmitted); blocks NIXL may still write stay held until it is done."""
+        for read in [r for r in self.layered if r.seq is seq]:
+            self.layered.remove(read)
+            self.decline(seq, policy.PREEMPTED)
+            self._abandon_taken(read.in_flight, read.local_ids)
+
+    def _abandon_taken(self, handles: list, block_ids: list[int]) -> None:
+        """Hold `block_ids` (the sequence's table is about to be released) until `handles` are done with them."""
+        if not handles:
+            return
+        self.abandoned.append(AbandonedRead(handles, list(block_ids)))
+        for block_id in block_ids:
+            self.engine.block_manager.take(block_id)
 
     # ---- each step: progress of reads, leases past their time
     def poll(self) -> None:
@@ -252,10 +358,17 @@ class KVConnector:
         seq, decision = load.seq, load.decision
         first, last = decision.load_from_block, decision.load_to_block
         elapsed = time.perf_counter() - load.started
-        nbytes = len(load.local_ids) * self.engine.kv_cache.layout.block_bytes
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
-        steps = min(self.engine.step_seconds - load.steps_before, elapsed)
+        self._count_read(seq, elapsed, min(self.engine.step_seconds - load.steps_before, elapsed),
+                         len(load.local_ids))
+        self.engine.finish_loading(seq)
+        if decision.whole_prompt:
+            self.engine.append_token(seq, seq.remote.first_token_id)
+
+    def _count_read(self, seq: Sequence, elapsed: float, steps: float, num_blocks: int) -> None:
+        """A read verified and taken: its time, bytes and tier, on the sequence and in the connector's stats."""
+        nbytes = num_blocks * self.engine.kv_cache.layout.block_bytes
         seq.timing.kv_read_s += elapsed
         seq.timing.kv_read_step_s += steps
         seq.timing.kv_read_bytes += nbytes
@@ -271,9 +384,6 @@ class KVConnector:
         stats.read_seconds_by_tier[seq.kv_tier] += elapsed
         stats.read_seconds.observe(elapsed)
         stats.read_bytes.observe(nbytes)
-        self.engine.finish_loading(seq)
-        if decision.whole_prompt:
-            self.engine.append_token(seq, seq.remote.first_token_id)
 
     def _fallback(self, load: PendingLoad, reason: str, in_flight: bool) -> None:
         """Reuse failed: recompute from the local prefix-cache hit. A read still in flight keeps its target
@@ -283,7 +393,7 @@ class KVConnector:
         self.decline(seq, reason)
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         if in_flight:
-            self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
+            self.abandoned.append(AbandonedRead([load.handle], list(load.local_ids)))
             first, last = load.decision.load_from_block, load.decision.load_to_block
             if blocks.num_free_blocks < last - first:
                 seq.block_table = seq.block_table[:first] + seq.block_table[last:]
@@ -294,18 +404,19 @@ class KVConnector:
         scheduler.finish_loading(seq)
 
     def on_abort(self, seq: Sequence) -> None:
-        for load in list(self.loads):
-            if load.seq is seq:
-                self.loads.remove(load)
-                self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
-                for block_id in load.local_ids:
-                    self.engine.block_manager.take(block_id)
+        for load in [load for load in self.loads if load.seq is seq]:
+            self.loads.remove(load)
+            self._abandon_taken([load.handle], load.local_ids)
+        for read in [read for read in self.layered if read.seq is seq]:
+            self.layered.remove(read)
+            self._abandon_taken(read.in_flight, read.local_ids)
 
     def _reap_abandoned(self) -> None:
         for read in list(self.abandoned):
-            if self.nixl.poll(read.handle) == IN_PROGRESS:
+            if any(self.nixl.poll(handle) == IN_PROGRESS for handle in read.handles):
                 continue
-            self.nixl.release(read.handle)
+            for handle in read.handles:
+                self.nixl.release(handle)
             self.engine.block_manager.release_all(read.block_ids)
             self.abandoned.remove(read)
 

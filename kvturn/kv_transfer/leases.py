@@ -169,15 +169,17 @@ class LeaseTable:
     def reclaim_oldest(self) -> bool:
         """Free the pool blocks of the least recently used lease there: move it to the host tier if it fits there
         (dropping the host tier's least recently used leases to make room), else drop it. False if no lease is in
-        the pool."""
+        the pool. P's pins are never taken: a decode worker is about to read each one, and a pin let go makes it
+        recompute the whole prompt in its decoding steps; they end when read, released, or at their short TTL."""
         passed: set[str] = set()  # leases a peer acquired while they were being copied: moved last
         while True:
             with self._lock:
-                in_pool = [lease for lease in self._leases.values() if lease.tier == POOL]
+                in_pool = [lease for lease in self._leases.values()
+                           if lease.tier == POOL and not lease.release_after_read]
             if not in_pool:
                 return False
             oldest = next((lease for lease in in_pool if lease.handle not in passed), in_pool[0])
-            if self.host is None or oldest.release_after_read or len(oldest.block_ids) > self.host.num_blocks:
+            if self.host is None or len(oldest.block_ids) > self.host.num_blocks:
                 return self._drop(oldest.handle, "reclaimed")
             while self.host.num_free_blocks < len(oldest.block_ids):
                 with self._lock:

@@ -170,8 +170,10 @@ class Router:
             return
         worker.calibration_asked = True
         try:
-            steps = response.json().get("prefill_steps") if response.status == 200 else None
-            taken = self.costs.observe_calibration(worker.role, steps)
+            reply = response.json() if response.status == 200 else {}
+            taken = self.costs.observe_calibration(worker.role, reply.get("prefill_steps"))
+            if worker.role == "prefill":
+                self.costs.observe_read_overlap(reply.get("kv_read_overlap_layers"))
         except Exception:  # a worker's reply, whatever it holds, must not stop the router
             log.warning("%s worker %s: unusable calibration reply", worker.role, worker.url, exc_info=True)
             return

@@ -9,6 +9,7 @@ from kvturn.router.answers import DecodeAnswer
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import FirstToken
 from kvturn.router.keys import message_size
+from kvturn.router.lease_check import LEASE_ENDED, still_held
 from kvturn.router.turn_backend import TurnBackend
 from kvturn.router.turn_costs import TurnCosts
 from kvturn.router.vllm_backend import KVTURN
@@ -22,11 +23,22 @@ class KvturnWorkers(TurnBackend):
         super().__init__(turn)
         self.costs = TurnCosts(turn)
         self.lease: dict | None = None  # the conversation's lease, handed to P until P fails with it
+        self.withdrawn = False  # D said it had let the lease go: not handed to P
 
     def choose_path(self) -> None:
         entry = self.turn.entry
         path = self.costs.choose().path
         self.lease = entry.kv_params if entry is not None and path == costmodel.PULL else None
+
+    async def verify_reuse(self, prefill_url: str) -> None:
+        """Ask D whether it still holds the lease (lease_check.py): one it let go is withdrawn, never handed to P."""
+        turn = self.turn
+        if self.lease is None or turn.key is None:
+            return
+        handle = self.lease.get("handle") if isinstance(self.lease, dict) else None
+        if await turn.waiting(still_held(turn.router, turn.entry.decode_url, handle, turn.key)) is False:
+            self.lease, self.withdrawn = None, True
+            await turn.router.table.drop(turn.key)
 
     @property
     def computes_on_decode(self) -> bool:
@@ -60,6 +72,8 @@ class KvturnWorkers(TurnBackend):
         p_kvturn = turn.prefill.setdefault("kvturn", {})
         if missed_because and p_kvturn.get("reuse") is None:
             p_kvturn["reuse"] = missed_because  # the lease ended before this turn came
+        elif self.withdrawn and p_kvturn.get("reuse") is None:
+            p_kvturn["reuse"] = LEASE_ENDED
         reuse = p_kvturn.get("reuse")
         turn.router.metrics.reuse.labels(str(reuse)).inc()
         if turn.entry is not None and reuse in LEASE_GONE:
@@ -125,6 +139,7 @@ class KvturnWorkers(TurnBackend):
             "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
             "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),
             "prompt_tokens_cached_prefill": prefill.get("prompt_tokens_cached"),
+            "prompt_tokens_cached_prefill_host": prefill.get("prompt_tokens_cached_host"),  # of them, P's host tier
             "bytes_d_to_p": prefill.get("kv_read_bytes", 0),
             "bytes_p_to_d": (decode or {}).get("kv_read_bytes", 0),
             "timing": {
