@@ -16,6 +16,7 @@ from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
+from kvturn.router.prefix_memory import PrefixMemory
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -63,6 +64,7 @@ class Flight:
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
     path: str = ""
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
+    cached_tokens: int = 0  # of the prompt, what P's own prefix cache held
     ttft_ms: float = 0.0
 
 
@@ -120,6 +122,7 @@ class Simulation:
         self.lease_ends: deque[tuple[Lease, int]] = deque()  # one TTL for all: they end in the order they began
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration, deployment)
+        self.prefix_memory = PrefixMemory(max(len(workload.sessions), 1))  # the router's guess of P's caches
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
@@ -220,7 +223,8 @@ class Simulation:
         view = costmodel.TurnView(
             turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
             holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
-            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
+            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0,
+            prefill_cached_tokens=self.prefix_memory.expected_cached(conversation, prefill.url))
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.path = choice.path
@@ -262,7 +266,7 @@ class Simulation:
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.reused_tokens, flight.prefill = remote, prefill
+        flight.reused_tokens, flight.prefill, flight.cached_tokens = remote, prefill, local
         job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
         if remote:  # read as P's step that admits it is scheduled
             flight.read_ms = job.read_ms = link.read_ms(self.calibration, self.deployment, remote, "d_to_p")
@@ -275,6 +279,7 @@ class Simulation:
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
+        self.prefix_memory.observe(conversation, str(flight.prefill), turn.prompt_tokens, flight.cached_tokens)
         flight.claim.release()
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
         entry = self.table.get(conversation)
