@@ -46,16 +46,20 @@ class Layout:
         return f"{self.topology}, prefill choice {self.prefill_choice}, {where}{pool}"
 
 
+MESSAGE_TEMPLATE_TOKENS = 8  # what a chat template adds around each message, at most, for the models kvturn runs
+
+
 def live_history_tokens(conversations, count_tokens) -> tuple[int, int]:
     """(the histories live at once, in tokens: each conversation's mean prompt over its turns, summed; the longest
-    prompt of any turn), counting answers at their planned length."""
+    prompt of any turn), counting answers at their planned length and the chat template around each message."""
     live, longest = 0, 0
     for conv in conversations:
-        context, prompts = count_tokens(conv.system) if conv.system else 0, []
+        context = count_tokens(conv.system) + MESSAGE_TEMPLATE_TOKENS if conv.system else 0
+        prompts = []
         for turn in conv.turns:
-            context += count_tokens(turn.user)
+            context += count_tokens(turn.user) + MESSAGE_TEMPLATE_TOKENS
             prompts.append(context)
-            context += turn.answer_tokens
+            context += turn.answer_tokens + MESSAGE_TEMPLATE_TOKENS
         if prompts:
             live += sum(prompts) // len(prompts)
             longest = max(longest, max(prompts))
