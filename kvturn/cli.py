@@ -422,6 +422,7 @@ def bench(
             runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
                                           out_dir / "logs", console, source, sessions, pin_workers, layout)
             ideals = [comparison.ideal_speedup(run, model_dir, layout) for run in runs]
+            whole_read = [comparison.ideal_speedup(run, model_dir, layout, catalog.ON_LEGS[1]) for run in runs]
             link_measure = comparison.link_ideal(model_dir, layout)
             if link_measure:
                 console.print(comparison.link_text(link_measure))
@@ -430,7 +431,7 @@ def bench(
                                              request_rate=request_rate, warmup_turns=warmup_turns,
                                              max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
                                              ignore_eos=spec.ignore_eos))}]
-        ideals = [None]
+        ideals, whole_read = [None], [None]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
@@ -449,6 +450,8 @@ def bench(
     prefix_sources.print_table(sources, console)
     if compare:
         console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
+    if whole_read[0] and "ideal_speedup" in whole_read[0]:
+        report.print_ideal_table(whole_read[0]["by_length"], console, catalog.ON_LEGS[1])
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -482,7 +485,7 @@ def bench(
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
                "summaries": summaries, "prefix_sources": sources,
-               "ideal_speedup": ideal, "paths": paths_verdict,
+               "ideal_speedup": ideal, "ideal_speedup_whole_read": whole_read[0], "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
                "legs": {leg: result.to_json() for leg, result in results.items()},

@@ -216,6 +216,9 @@ def test_start_up_calibration_times_what_the_pool_holds_within_its_budget(tiny_m
     from kvturn.engine import calibration
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=200))  # 3200 tokens: the 4096-token chain cannot fit
     free = llm.engine.block_manager.num_free_blocks
+    # a budget and a lock wait no loaded machine runs out of: which chains fit is what is checked here
+    monkeypatch.setattr(calibration, "BUDGET_S", 600.0)
+    monkeypatch.setattr(calibration, "LOCK_WAIT_S", 600.0)
     steps = calibration.time_prefill_steps(llm.engine)
     assert [(s["new_tokens"], s["context_tokens"]) for s in steps] == [(512, 0), (2048, 0), (256, 2048)]
     assert all(s["ms"] > 0 for s in steps) and llm.engine.block_manager.num_free_blocks == free

@@ -147,6 +147,7 @@ class KvturnWorkers(TurnBackend):
                 "queue_ms": p_timing.get("queue_ms"),
                 "d_to_p_read_ms": p_timing.get("kv_read_ms"),
                 "d_to_p_read_step_ms": p_timing.get("kv_read_step_ms"),  # of it, P's steps for other prompts
+                "d_to_p_read_hidden_ms": p_timing.get("kv_read_hidden_ms"),  # of it, under P's own compute
                 "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),
