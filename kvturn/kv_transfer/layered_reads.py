@@ -10,14 +10,24 @@ ends they are checked before anything of the step counts for the sequence. A rea
 blocks the peer recycled makes the sequence recompute, as a whole read's failure does, and its sampled token (if
 the step reached its last prompt token) is dropped with its generator put back as it was.
 """
+import logging
 import time
 from dataclasses import dataclass, field
 
 from kvturn.engine.sequence import Sequence
 from kvturn.kv_transfer import policy
-from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, PartlyPosted
+
+log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.0002  # between polls of a layer not yet in: a spinning poll takes the core UCX's thread needs
+
+
+@dataclass(slots=True)
+class AbandonedRead:
+    """A read we gave up on: its target blocks stay held until NIXL is done with every transfer of it."""
+    handles: list
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -132,3 +142,102 @@ class LayerWait:
                 advance(read, self.nixl, self.clock())
             read.waited_s += time.perf_counter() - waited
         self.waited_s += time.perf_counter() - began
+
+
+class LayeredReads:
+    """A connector's layered reads in flight: started at admission, waited for by the step's forward pass, verified
+    or given up on when the step ends. The connector (connector.py) keeps the stats, declines and abandoned reads."""
+
+    def __init__(self, connector):
+        self.connector = connector
+        self.reads: list[LayeredRead] = []
+
+    def start(self, seq: Sequence, decision: policy.ReuseDecision) -> None:
+        """Post the read a layer at a time and let the sequence run: its step waits for each layer as it gets there,
+        and counts nothing before step_done has verified the read."""
+        connector = self.connector
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
+        started, failed = time.perf_counter(), None
+        try:
+            handles = connector.nixl.start_layer_reads(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
+        except PartlyPosted as exc:
+            log.warning("a layered KV read from %s failed part way through its posts", remote.peer_engine_id)
+            handles, failed = exc.handles, policy.READ_FAILED  # recomputes when its step ends, as a failed read
+        except Exception:
+            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
+            connector.decline(seq, policy.READ_FAILED)
+            return
+        self.reads.append(LayeredRead(seq, handles, local_ids, remote_ids, decision, started,
+                                      connector.clock() + connector.config.kv_read_timeout_s,
+                                      connector.engine.step_seconds, failed=failed))
+        seq.num_computed_tokens = last * connector.block_size
+
+    def waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
+        """What the step's forward pass calls before each layer, when the step computes a layered read's tokens."""
+        if not self.reads:
+            return None
+        in_step = {id(seq) for seq, _ in batch}
+        reads = [read for read in self.reads if id(read.seq) in in_step]
+        step_seconds = self.connector.engine.step_seconds
+        for read in reads:
+            if read.first_step_at is None:
+                read.steps_before_first = min(step_seconds - read.steps_before, time.perf_counter() - read.started)
+        return LayerWait(reads, self.connector.nixl, self.connector.clock) if reads else None
+
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
+        """After a step's forward pass: verify the layered reads it computed on. Returns the sequences whose read
+        failed: nothing of this step counts for them, they recompute from their local prefix-cache hit."""
+        if not self.reads:
+            return set()
+        nixl, clock = self.connector.nixl, self.connector.clock
+        in_step, rejected = {id(seq) for seq, _ in batch}, set()
+        for read in list(self.reads):
+            if id(read.seq) in in_step:
+                verify(read, nixl, clock)
+            else:
+                advance(read, nixl, clock())
+                if not read.failed:
+                    continue  # its sequence computes in a later step
+            self.reads.remove(read)
+            if read.failed:
+                rejected.add(read.seq)
+                self._fall_back(read)
+            else:
+                self._complete(read)
+        return rejected
+
+    def _complete(self, read: LayeredRead) -> None:
+        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
+        elapsed = read.read_s()
+        seq.num_remote_tokens = (last - first) * self.connector.block_size
+        seq.timing.kv_read_hidden_s += max(elapsed - (read.first_step_at - read.started) - read.waited_s, 0.0)
+        self.connector.count_read(seq, elapsed, read.steps_before_first, len(read.local_ids))
+
+    def _fall_back(self, read: LayeredRead) -> None:
+        """Back to the local prefix-cache hit; blocks NIXL may still be writing are swapped for fresh ones (or, with
+        none free, the sequence is preempted)."""
+        connector = self.connector
+        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
+        connector.decline(seq, read.failed)
+        if read.generator_state is not None:
+            seq.generator.set_state(read.generator_state)
+        seq.num_computed_tokens = first * connector.block_size
+        if not read.in_flight:
+            return
+        connector.abandoned.append(AbandonedRead(read.in_flight, list(read.local_ids)))
+        blocks = connector.engine.block_manager
+        if blocks.num_free_blocks < last - first:
+            seq.block_table = seq.block_table[:first] + seq.block_table[last:]
+            connector.engine.scheduler.preempt(seq)
+            return
+        seq.block_table[first:last] = [blocks.allocate_new() for _ in range(last - first)]
+
+    def drop(self, seq: Sequence, reason: str | None = None) -> None:
+        """`seq` is preempted or aborted: its read is given up (declined for `reason`); blocks NIXL may still write
+        stay held until it is done."""
+        for read in [read for read in self.reads if read.seq is seq]:
+            self.reads.remove(read)
+            if reason:
+                self.connector.decline(seq, reason)
+            self.connector.abandon_taken(read.in_flight, read.local_ids)
