@@ -227,6 +227,7 @@ class KVConnector:
             self._last_expiry_check = now
         for load in list(self.loads):
             self._advance(load)
+        self.layered.advance_all()
         if self.abandoned:
             self._reap_abandoned()
 

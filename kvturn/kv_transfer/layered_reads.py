@@ -13,14 +13,16 @@ the step reached its last prompt token) is dropped with its generator put back a
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvturn.engine.sequence import Sequence
 from kvturn.kv_transfer import policy
-from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, PartlyPosted
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.0002  # between polls of a layer not yet in: a spinning poll takes the core UCX's thread needs
+LAYERS_IN_FLIGHT = 2  # one landing while the next is on the wire
 
 
 @dataclass(slots=True)
@@ -33,13 +35,17 @@ class AbandonedRead:
 @dataclass(slots=True)
 class LayeredRead:
     seq: Sequence
-    handles: list  # one per layer; None once the layer is in and its handle released
+    post_layer: Callable  # layer -> NIXL handle of that layer's read (KVTransferAgent.layer_reads)
+    num_layers: int
     local_ids: list[int]
     remote_ids: list[int]
     decision: policy.ReuseDecision
     started: float  # perf_counter when the first layer was posted
     gives_up_at: float  # on the connector's clock
     steps_before: float  # the engine's step_seconds when the read began
+    posting: dict = field(default_factory=dict)  # layer -> handle, posted and not yet seen in
+    next_layer: int = 0  # the next layer to post
+    arrived: set = field(default_factory=set)  # layers seen in
     arrived_at: float | None = None  # perf_counter when every layer was seen in
     epoch_handle: object = None
     failed: str | None = None  # a decline reason, once the read cannot be used
@@ -51,35 +57,43 @@ class LayeredRead:
     @property
     def in_flight(self) -> list:
         """Transfers NIXL may still be writing (a read given up on hands them and its blocks to AbandonedRead)."""
-        return [h for h in self.handles if h is not None] + ([self.epoch_handle] if self.epoch_handle else [])
-
-    @property
-    def exposed_s(self) -> float:
-        """What of the read its sequence waited for: steps before its own, then its own step's waits on layers."""
-        return self.steps_before_first + self.waited_s
+        return list(self.posting.values()) + ([self.epoch_handle] if self.epoch_handle else [])
 
     def read_s(self) -> float:
         return (self.arrived_at or time.perf_counter()) - self.started
 
 
+def post_more(read: LayeredRead) -> None:
+    """Keep LAYERS_IN_FLIGHT layers posted: posted all at once, the transfers of every layer share the link and all
+    land near the end, so the compute of layer 0 would wait for nearly the whole read."""
+    while read.next_layer < read.num_layers and len(read.posting) < LAYERS_IN_FLIGHT and not read.failed:
+        try:
+            read.posting[read.next_layer] = read.post_layer(read.next_layer)
+        except Exception:
+            log.warning("posting layer %d of a KV read failed", read.next_layer, exc_info=True)
+            read.failed = policy.READ_FAILED
+            return
+        read.next_layer += 1
+
+
 def advance(read: LayeredRead, nixl: KVTransferAgent, now: float) -> None:
-    """Take every layer as far as it has got; once all are in, post the epoch read-back. Gives up past the read's
-    time (the transfers still in flight are then abandoned by the connector)."""
+    """Take the posted layers as far as they have got and post the next; once all are in, post the epoch read-back.
+    Gives up past the read's time (the transfers still in flight are then abandoned by the connector)."""
     if read.failed:
         return
-    for layer, handle in enumerate(read.handles):
-        if handle is None:
-            continue
+    for layer, handle in list(read.posting.items()):
         state = nixl.poll(handle)
         if state == IN_PROGRESS:
             continue
         nixl.release(handle)
-        read.handles[layer] = None
+        del read.posting[layer]
         if state != DONE:
             read.failed = policy.READ_FAILED
             return
-    if any(h is not None for h in read.handles):
-        if now > read.gives_up_at:
+        read.arrived.add(layer)
+    post_more(read)
+    if len(read.arrived) < read.num_layers:
+        if now > read.gives_up_at and not read.failed:
             read.failed = policy.PEER_UNREACHABLE
         return
     if read.arrived_at is None:
@@ -137,7 +151,7 @@ class LayerWait:
         for read in self.reads:
             waited = time.perf_counter()
             advance(read, self.nixl, self.clock())
-            while not read.failed and read.handles[layer] is not None:
+            while not read.failed and layer not in read.arrived:
                 time.sleep(POLL_INTERVAL_S)
                 advance(read, self.nixl, self.clock())
             read.waited_s += time.perf_counter() - waited
@@ -153,25 +167,31 @@ class LayeredReads:
         self.reads: list[LayeredRead] = []
 
     def start(self, seq: Sequence, decision: policy.ReuseDecision) -> None:
-        """Post the read a layer at a time and let the sequence run: its step waits for each layer as it gets there,
-        and counts nothing before step_done has verified the read."""
+        """Post the first layers of the read and let the sequence run: its step waits for each layer as it gets
+        there, and counts nothing before step_done has verified the read."""
         connector = self.connector
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
-        started, failed = time.perf_counter(), None
         try:
-            handles = connector.nixl.start_layer_reads(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
-        except PartlyPosted as exc:
-            log.warning("a layered KV read from %s failed part way through its posts", remote.peer_engine_id)
-            handles, failed = exc.handles, policy.READ_FAILED  # recomputes when its step ends, as a failed read
+            post_layer = connector.nixl.layer_reads(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
+            started = time.perf_counter()
+            first_layer = post_layer(0)
         except Exception:
             log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
             connector.decline(seq, policy.READ_FAILED)
             return
-        self.reads.append(LayeredRead(seq, handles, local_ids, remote_ids, decision, started,
-                                      connector.clock() + connector.config.kv_read_timeout_s,
-                                      connector.engine.step_seconds, failed=failed))
+        read = LayeredRead(seq, post_layer, connector.engine.kv_cache.layout.num_layers, local_ids, remote_ids,
+                           decision, started, connector.clock() + connector.config.kv_read_timeout_s,
+                           connector.engine.step_seconds, posting={0: first_layer}, next_layer=1)
+        post_more(read)  # a later layer failing to post: the read recomputes when its step ends
+        self.reads.append(read)
         seq.num_computed_tokens = last * connector.block_size
+
+    def advance_all(self) -> None:
+        """Keep every read moving between steps (the next layers posted as the earlier land)."""
+        now = self.connector.clock()
+        for read in self.reads:
+            advance(read, self.connector.nixl, now)
 
     def waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
         """What the step's forward pass calls before each layer, when the step computes a layered read's tokens."""
