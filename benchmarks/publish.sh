@@ -27,6 +27,11 @@ run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max
 for tokens in 4000 16000 32000; do
     run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
 done
+# P's read of the history layer by layer beside its compute, against the read whole, over a 10 Gbit link between
+# network namespaces (UCX over TCP), each held to the summed and the overlapped ideal
+run read-overlap-10gbit $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 16384 \
+    --legs pd/P-cache-off,bidir/P-cache-off,bidir/P-cache-off/whole-read --hosts netns --link 10gbit:50us \
+    --out "$OUT/read-overlap-10gbit"
 run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
 # The same host MiB spent on P's prefix cache (a host tier) or on D's leases, against P/D and bidir without it
 run prefix-host $PY -m kvturn.cli bench --compare --scenario agent-loop --kv-cache-mb 64 \
