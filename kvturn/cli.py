@@ -448,8 +448,11 @@ def bench(
         report.print_table(summaries, title, console)
     sources = prefix_sources.by_leg(results)
     prefix_sources.print_table(sources, console)
+    answers = comparison.answers_equal(results) if compare else None
     if compare:
         console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
+    if answers:
+        console.print(comparison.answers_text(answers))
     if whole_read[0] and "ideal_speedup" in whole_read[0]:
         report.print_ideal_table(whole_read[0]["by_length"], console, catalog.ON_LEGS[1])
     if ideal and "ideal_speedup" in ideal:
@@ -484,7 +487,7 @@ def bench(
                           "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
-               "summaries": summaries, "prefix_sources": sources,
+               "summaries": summaries, "prefix_sources": sources, "answers_equal": answers,
                "ideal_speedup": ideal, "ideal_speedup_whole_read": whole_read[0], "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
@@ -527,6 +530,15 @@ def plan(
                                                  "--save-calibration; give it again to pool several bench runs"),
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
+    topology: Optional[str] = typer.Option(None, help="NPMD, e.g. 2P2D, instead of --prefill and --decode"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    link: Optional[str] = typer.Option(None, help="the link between hosts, RATE:DELAY (e.g. 25gbit:50us): a KV read "
+                                                  "costs at least its bytes at the rate plus a round trip (default: "
+                                                  "the calibration's own reads)"),
+    link_read_fixed_ms: float = typer.Option(0.0, min=0.0, help="with --link: what one read over it costs besides "
+                                             "its bytes, ms (kvturn bench --hosts netns prints it for its link)"),
+    prefill_kv_cache_mb: Optional[int] = typer.Option(None, min=1, help="each prefill worker's KV pool, MiB (its "
+                                                      "prefix cache's size; default --kv-cache-mb)"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
     prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
                                                    help="whether prefill workers keep a prefix cache"),
@@ -541,6 +553,8 @@ def plan(
                                                       "keeps its own start times)"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep scenario"),
+    gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply a scenario's think times, as "
+                                    "kvturn bench --gap-scale"),
     seed: int = typer.Option(0),
     one_host: bool = typer.Option(False, "--one-host", help="all workers share this machine's cores, as kvturn bench "
                                                             "--compare runs them (slowdown calibrated from the run)"),
@@ -572,6 +586,20 @@ def plan(
     if policy not in planner.POLICY_LEGS:
         raise typer.BadParameter(f"policy must be one of {sorted(planner.POLICY_LEGS)}")
     chosen = chosen_legs(legs)
+    from kvturn.config import PREFILL_CHOICES
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
+    try:
+        if topology:
+            from kvturn.bench.topology import Topology
+            shape = Topology.parse(topology)
+            prefill, decode = shape.prefill, shape.decode
+        plan_link = None
+        if link:
+            from kvturn.bench.netns import Link
+            plan_link = Link.parse(link)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     try:
         ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
         budget_shares = tuple(float(b) for b in host_budgets.split(",") if b.strip())
@@ -597,7 +625,7 @@ def plan(
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
             workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients,
-                                           sessions)
+                                           sessions, gap_scale)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
         predict.bounded(workload, cost_model)
@@ -608,7 +636,11 @@ def plan(
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
                             decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                             retained_kv_budget_mb=retained_kv_budget_mb,
-                            kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
+                            kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host,
+                            prefill_kv_cache_mb=prefill_kv_cache_mb, prefill_choice=prefill_choice,
+                            link_bits_per_s=plan_link.rate_bits_per_s if plan_link else None,
+                            link_delay_s=plan_link.delay_s if plan_link else 0.0,
+                            link_read_fixed_ms=link_read_fixed_ms if plan_link else 0.0)
     if scenario:
         deployment = planner.with_scenario(deployment, SCENARIOS[scenario])
     # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep
@@ -616,6 +648,9 @@ def plan(
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
                           budget_shares, reuse_target)
     report.print_plan(result, console)
+    if plan_link:
+        console.print(f"link {plan_link.text}: reads priced at its rate and delay; the compute is the calibration's "
+                      f"({cost_model.source}): another machine's compute this plan cannot know")
     console.print(f"JSON: {report.write(result, out or Path('results') / f'plan-{workload.name}')}")
 
 

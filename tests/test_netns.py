@@ -1,6 +1,9 @@
 """Separate hosts on one machine (kvturn bench --hosts netns): P and D in network namespaces of their own, UCX over
 TCP only, and the history's KV crossing D's link on a later turn."""
+import json
+import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +60,37 @@ def test_closing_the_network_removes_every_namespace_and_link(network):
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)
     assert subprocess.run(["ip", "link", "show", other.bridge], capture_output=True).returncode != 0
+
+
+def hold_a_network() -> subprocess.Popen:
+    """A process that makes a network, prints its namespaces and waits (the bench between two legs)."""
+    code = ("import json, time\nfrom kvturn.bench.netns import Network\n"
+            "with Network(['router', 'prefill']) as n:\n"
+            "    print(json.dumps([n.bridge, *n.namespaces.values()]), flush=True)\n    time.sleep(120)\n")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def existing(names: list[str]) -> list[str]:
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [name for name in names if name in namespaces or f" {name}:" in links]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_bench_stopped_by_a_signal_leaves_no_namespace_behind(network, sig):
+    holder = hold_a_network()
+    names = json.loads(holder.stdout.readline())
+    assert existing(names) == names
+    holder.send_signal(sig)
+    holder.wait(timeout=30)
+    assert existing(names) == []
+
+
+def test_what_a_killed_run_left_is_removed_by_the_next(network):
+    holder = hold_a_network()
+    names = json.loads(holder.stdout.readline())
+    holder.kill()
+    holder.wait(timeout=30)
+    assert existing(names) == names
+    with Network(["router"]):
+        assert existing(names) == []

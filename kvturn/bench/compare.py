@@ -268,6 +268,27 @@ def ideal_row(off_row, on_row: dict, raw_read_ms: float, layers: int) -> dict:
             "tpot_off_ms": off_row.tpot_ms, "tpot_on_ms": on_row["tpot_ms"]}
 
 
+def answers_equal(results: dict) -> dict | None:
+    """Each leg's answers against the first leg's, turn by turn (greedy decoding: reuse must change no token); None
+    with one leg."""
+    names = list(results)
+    if len(names) < 2:
+        return None
+    reference = {(r.conversation_id, r.turn): r.answer_digest for r in results[names[0]].requests
+                 if r.error is None and r.answer_digest}
+    out = {"reference_leg": names[0]}
+    for name in names[1:]:
+        pairs = [(reference[key], r.answer_digest) for r in results[name].requests
+                 if r.error is None and (key := (r.conversation_id, r.turn)) in reference]
+        out[name] = {"compared": len(pairs), "equal": sum(a == b for a, b in pairs)}
+    return out
+
+
+def answers_text(equal: dict) -> str:
+    return f"answers against {equal['reference_leg']}'s, turn by turn: " + ", ".join(
+        f"{leg} {row['equal']} of {row['compared']} equal" for leg, row in equal.items() if leg != "reference_leg")
+
+
 def path_verdict(summaries: list[dict]) -> dict | None:
     """The three-path targets, from one run: adaptive TTFT p50 against the better fixed path, its TPOT p90
     against pull only, and how often the router's predicted TTFT was within 20% of the measured one."""

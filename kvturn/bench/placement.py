@@ -1,6 +1,6 @@
 """Where a leg's later turns met their history: whether the prefill worker that served a turn also served the
 conversation's previous turn (the router's choice of P, `--prefill-choice`), whether that P's prefix cache still
-held the history, and where each later turn's prompt tokens came from (P's cache, D's lease, computed)."""
+held the history, and what each kind of turn cost (where its tokens came from: prefix_sources.py)."""
 import statistics
 from collections import defaultdict
 
@@ -19,7 +19,6 @@ def placement(requests) -> dict:
             by_conversation[r.conversation_id][r.turn] = r
     later, same, held = 0, 0, 0
     ttft_same, ttft_other = [], []
-    sources = {"p_cache": 0, "from_d": 0, "d_retained": 0, "computed": 0}
     for turns in by_conversation.values():
         for index, r in sorted(turns.items()):
             previous = turns.get(index - 1)
@@ -27,11 +26,6 @@ def placement(requests) -> dict:
                 continue
             later += 1
             cached = r.prompt_tokens_cached_prefill or 0
-            sources["p_cache"] += cached
-            sources["from_d"] += r.prompt_tokens_from_decode or 0
-            sources["computed"] += (r.prompt_tokens_computed_prefill or 0) + (r.decode_tokens_computed or 0)
-            if r.path == "compute_on_decode" and r.input_num_tokens:
-                sources["d_retained"] += max(r.input_num_tokens - (r.decode_tokens_computed or 0), 0)
             met = bool(r.prefill_worker) and r.prefill_worker == previous.prefill_worker
             same += met
             held += cached >= HELD_SHARE * (previous.input_num_tokens or 0) > 0
@@ -40,7 +34,6 @@ def placement(requests) -> dict:
     return {"later_turns": later,
             "same_p_share": same / later if later else None,
             "p_cache_held_share": held / later if later else None,
-            "prompt_token_sources": sources,
             "later_ttft_p50_ms_same_p": _p50(ttft_same), "later_ttft_p50_ms_other_p": _p50(ttft_other)}
 
 
@@ -52,15 +45,10 @@ def placement_text(summaries: list[dict], topology: str, prefill_choice: str) ->
              f"that met a P whose cache held >= {HELD_SHARE:.0%} of it, TTFT p50 same P / other P"]
     for s in summaries:
         p = s.get("placement") or {}
-        if p.get("later_turns") and p.get("same_p_share") is not None and any(
-                p["prompt_token_sources"].values()):
-            sources = p["prompt_token_sources"]
-            total = sum(sources.values()) or 1
-            where = ", ".join(f"{name} {tokens / total:.0%}" for name, tokens in sources.items())
+        if p.get("later_turns") and (p.get("later_ttft_p50_ms_same_p") or p.get("later_ttft_p50_ms_other_p")):
             links = s.get("link_bytes") or {}
             carried = sum(way["out"] for way in links.values()) / 2**20 if links else None
             lines.append(f"  {s['leg']}: same P {pct(p['same_p_share'])}, P cache held {pct(p['p_cache_held_share'])}"
-                         f", TTFT p50 {ms(p['later_ttft_p50_ms_same_p'])} / {ms(p['later_ttft_p50_ms_other_p'])}; "
-                         f"later prompts' tokens from: {where}"
+                         f", TTFT p50 {ms(p['later_ttft_p50_ms_same_p'])} / {ms(p['later_ttft_p50_ms_other_p'])}"
                          + (f"; links carried {carried:.1f} MiB" if carried is not None else ""))
     return "\n".join(lines)

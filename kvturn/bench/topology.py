@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 MAX_WORKERS_PER_ROLE = 16
 HOSTS = ("one", "netns")
-LONGEST_PROMPT_ROOM = 1.25  # a prefill worker's pool fits its longest prompt this many times, whatever the share
+LONGEST_PROMPT_ROOM = 1.1  # a prefill worker's pool fits its longest prompt this many times, whatever the share
 
 
 @dataclass(frozen=True, slots=True)

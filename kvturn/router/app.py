@@ -27,6 +27,7 @@ from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
+from kvturn.router.prefix_memory import PrefixMemory
 from kvturn.router.turn import Turn
 from kvturn.router.turn_metrics import TurnMetrics
 from kvturn.router.turn_span import TurnSpan
@@ -93,6 +94,7 @@ class Router:
             self.text_tokens = keys.TextTokens(self.tokenizer)
         self.vllm = VLLMBackend(config, self.metrics.registry, self.tokenizer)
         self.costs = CostModel()
+        self.prefix_memory = PrefixMemory(config.max_conversations)  # what each P's cache likely holds
         if is_redis_url(config.state_path):
             self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,
                                                 on_error=self.metrics.state_errors.inc, secret=config.cluster_secret,
