@@ -33,10 +33,11 @@ class KvturnWorkers(TurnBackend):
     async def verify_reuse(self, prefill_url: str) -> None:
         """Ask D whether it still holds the lease (lease_check.py): one it let go is withdrawn, never handed to P."""
         turn = self.turn
-        if self.lease is None or turn.key is None:
-            return
+        holder = turn.router.decode.find(turn.entry.decode_url) if self.lease is not None else None
+        if holder is None or holder.backend != KVTURN or turn.key is None:
+            return  # the secret goes only to a decode worker of our own rotation
         handle = self.lease.get("handle") if isinstance(self.lease, dict) else None
-        if await turn.waiting(still_held(turn.router, turn.entry.decode_url, handle, turn.key)) is False:
+        if await turn.waiting(still_held(turn.router, holder.url, handle, turn.key)) is False:
             self.lease, self.withdrawn = None, True
             await turn.router.table.drop(turn.key)
 

@@ -16,7 +16,7 @@ from kvturn.router.upstream import Unreachable
 
 log = logging.getLogger("kvturn.router")
 ACQUIRE_PATH = "/kv/lease/acquire"
-CHECK_TIMEOUT_S = 2.0  # far above a loopback or in-rack round trip; a D this slow is busy, and P checks anyway
+CHECK_TIMEOUT_S = 1.0  # far above a loopback or in-rack round trip; a D this slow is busy, and P checks anyway
 LEASE_ENDED = "lease_ended"  # the turn's reuse outcome when D said it no longer held the lease
 
 
