@@ -99,12 +99,14 @@ class RunResult:
     # role -> the forward steps its worker ran during the run (its /kv/steps), when the bench launched it
     worker_steps: dict[str, list] = field(default_factory=dict)
     transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
+    # role -> its worker's retention counters at the end of the run (compare.worker_counters), when the bench launched it
+    worker_counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
                 "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
-                "transcript": self.transcript}
+                "transcript": self.transcript, "worker_counters": self.worker_counters}
 
 
 class RateLimiter:
