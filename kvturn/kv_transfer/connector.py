@@ -20,7 +20,7 @@ from kvturn.engine.block_manager import chain_hash
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
-from kvturn.kv_transfer import policy
+from kvturn.kv_transfer import policy, retention
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
 from kvturn.kv_transfer.leases import LeaseTable
@@ -51,6 +51,7 @@ class RetainSpec:
     ttl_s: float
     conversation_key: str
     release_after_read: bool  # P's pin for one decode; D's lease stays readable until it expires
+    covered: float = 0.0  # fraction of the prompt P's prefix cache held (retention.py weighs the lease by it)
 
 
 @dataclass(slots=True)
@@ -121,6 +122,13 @@ class KVConnector:
     @property
     def waiting_on_reads(self) -> bool:
         return bool(self.loads)
+
+    def reclaim_for(self, seq: Sequence) -> bool:
+        """The pool is short of blocks for `seq`: give up a retained lease (retention.py chooses which, for the
+        tenant of `seq`'s conversation); False if none may go."""
+        spec = seq.retain
+        tenant = retention.tenant_of(spec.conversation_key) if spec and not spec.release_after_read else None
+        return self.leases.reclaim_oldest(tenant)
 
     def decline(self, seq: Sequence, reason: str) -> None:
         seq.reuse_outcome = reason
@@ -329,6 +337,6 @@ class KVConnector:
                 hashes = hashes + [chain_hash(hashes[-1] if hashes else seq.hash_seed, tail)]
                 tokens = seq.num_computed_tokens
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
-                                   spec.release_after_read, first_token)
+                                   spec.release_after_read, first_token, spec.covered)
         if lease is not None:
             seq.retained = lease.to_public(self.clock())

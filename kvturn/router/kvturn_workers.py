@@ -81,7 +81,12 @@ class KvturnWorkers(TurnBackend):
             await turn.router.table.drop(turn.key)  # nothing left to read there; keep no stale entry
 
     def decode_body(self) -> dict:
-        return {**self.turn.body, "kv_transfer_params": self.turn.prefill.get("kv_transfer_params")}
+        """P's params for D, with what P's own prefix cache held of the prompt (D weighs the lease it keeps by it)."""
+        kv = self.turn.prefill.get("kv_transfer_params")
+        cached = (self.turn.prefill.get("kvturn") or {}).get("prompt_tokens_cached")
+        if isinstance(kv, dict) and isinstance(cached, int) and cached >= 0:
+            kv = {**kv, "prefill_cached_tokens": cached}
+        return {**self.turn.body, "kv_transfer_params": kv}
 
     def first_token(self) -> FirstToken | None:
         turn = self.turn
