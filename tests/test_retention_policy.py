@@ -5,8 +5,8 @@ from kvturn.kv_transfer.retention import Candidate, choose, tenant_of
 
 
 def lease(tenant: str = "", blocks: int = 10, idle_s: float = 1.0, gap_s: float | None = None,
-          covered: float = 0.0) -> Candidate:
-    return Candidate(tenant, blocks, idle_s, gap_s, covered)
+          covered: float = 0.0, announced_s: float | None = None) -> Candidate:
+    return Candidate(tenant, blocks, idle_s, gap_s, covered, announced_s)
 
 
 def test_without_other_evidence_the_least_recently_used_goes_first():
@@ -44,3 +44,10 @@ def test_another_tenants_leases_within_its_share_go_only_when_a_request_needs_th
 
 def test_the_tenant_is_the_routers_scope_before_the_last_colon():
     assert tenant_of("9f86d081884c7d65:ab12cd") == "9f86d081884c7d65" and tenant_of("plain-id") == ""
+
+
+def test_a_lease_whose_next_turn_is_on_its_way_goes_last_and_the_one_announced_first_is_kept_longest():
+    announced_early, announced_late = lease(idle_s=30, announced_s=30), lease(idle_s=2, announced_s=2)
+    fresh = lease(idle_s=1)  # made just now; its conversation's next turn has not come
+    assert choose([announced_early, announced_late, fresh], "", 100) == (2, retention.LEAST_RECENT)
+    assert choose([announced_early, announced_late], "", 100) == (1, retention.ANNOUNCED)

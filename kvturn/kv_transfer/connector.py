@@ -28,6 +28,7 @@ from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_S = 0.01  # the engine thread waits this long at most for a lease's epochs before reading it
 
 
 @dataclass(slots=True)
@@ -154,6 +155,8 @@ class KVConnector:
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
         if not decision.loads:
             self.decline(seq, decision.reason)
+        elif not remote.prefilled_for_us and self._lease_let_go(seq, decision):
+            self.decline(seq, policy.LEASE_ENDED)
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
@@ -190,6 +193,27 @@ class KVConnector:
         self.stats.host_restore_bytes += nbytes
         self.stats.host_restore_seconds += elapsed
         self.engine.publish_full_blocks(seq)
+
+    def _lease_let_go(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """Before reading a peer's lease (not P's pin, which is never let go under pressure): read back the epochs of
+        the blocks wanted, a few bytes, and skip the read if the holder has let them go since its record was made
+        (under pressure, while this prompt waited in our queue). False when that cannot be told within
+        PROBE_WAIT_S: the read then goes ahead and its own epoch check decides."""
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids = seq.block_table[first:last]
+        try:
+            handle = self.nixl.start_epoch_read(remote.peer_engine_id, remote.block_ids[first:last], local_ids,
+                                                remote.tier)
+        except Exception:
+            return False
+        waited_until = time.perf_counter() + PROBE_WAIT_S
+        while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
+            time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
+        if state == IN_PROGRESS:
+            self.abandoned.append(AbandonedRead(handle, []))  # lands in the scratch epochs only; reaped later
+            return False
+        self.nixl.release(handle)
+        return state == DONE and self.nixl.scratch_epochs(local_ids) != remote.block_epochs[first:last]
 
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block

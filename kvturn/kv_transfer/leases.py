@@ -50,6 +50,7 @@ class Lease:
     tenant: str = ""  # retention.tenant_of(the conversation key)
     gap_s: float | None = None  # mean time between its conversation's turns so far
     covered: float = 0.0  # fraction of its tokens P's prefix cache held at the turn that made it
+    announced_at: float | None = None  # monotonic seconds: last acquired (its next turn is on its way to P)
 
     def to_public(self, now: float) -> dict:
         """The lease as a peer sees it: its time left as a duration, and (for vLLM's field) as this machine's
@@ -137,6 +138,7 @@ class LeaseTable:
                 return None
             if not lease.release_after_read:
                 self._renew(lease)
+                lease.announced_at = lease.last_used
             self.reads[lease.tier] += 1
             return lease.to_public(self.clock())
 
@@ -202,7 +204,9 @@ class LeaseTable:
                            if lease.tier == POOL and not lease.release_after_read]
             fresh = [lease for lease in in_pool if lease.handle not in passed] or in_pool
             chosen = retention.choose([retention.Candidate(lease.tenant, len(lease.block_ids), now - lease.last_used,
-                                                           lease.gap_s, lease.covered) for lease in fresh],
+                                                           lease.gap_s, lease.covered,
+                                                           None if lease.announced_at is None
+                                                           else now - lease.announced_at) for lease in fresh],
                                       requester, self.max_retained_blocks or self.block_manager.num_blocks,
                                       others_within_share)
             if chosen is None:

@@ -7,7 +7,9 @@ anyway. So, of the leases in the pool (least recently used first):
    still comes before retention: a running request never waits for a lease);
 2. within that, a lease whose conversation looks ended (unused for more than `ENDED_AFTER_GAPS` of its own gaps
    between turns so far) goes first, then one whose history P's own prefix cache held mostly at its turn (P is
-   likely to hold it again: reading it back would save little), then the least recently used.
+   likely to hold it again: reading it back would save little), then the least recently used of those whose next
+   turn has not been announced; a lease whose next turn is on its way (the router or P asked for it since it was
+   made: P is about to read it) goes last, the most recently announced first (its read comes last).
 The tenant is the part of a conversation key before its last ':' (the router scopes every key by its caller's API
 key, router/keys.py); a key without one is the shared tenant ''.
 """
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 ENDED_AFTER_GAPS = 4.0  # unused for this many of its own gaps between turns: the conversation is likely over
 COVERED_FRACTION = 0.5  # P's cache held at least this much of the history at its turn: P likely holds it again
 # Why a lease was chosen, counted in /metrics (kvturn_kv_retention_choices_total{reason})
-OVER_SHARE, ENDED, COVERED, LEAST_RECENT, OTHER_TENANT = "over_share", "ended", "covered", "least_recent", \
-    "other_tenant"
-REASONS = (OVER_SHARE, ENDED, COVERED, LEAST_RECENT, OTHER_TENANT)
+OVER_SHARE, ENDED, COVERED, LEAST_RECENT, ANNOUNCED, OTHER_TENANT = (
+    "over_share", "ended", "covered", "least_recent", "announced", "other_tenant")
+REASONS = (OVER_SHARE, ENDED, COVERED, LEAST_RECENT, ANNOUNCED, OTHER_TENANT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,7 @@ class Candidate:
     idle_s: float  # since it was made or last used
     gap_s: float | None  # mean time between its conversation's turns so far; None after one turn
     covered: float  # fraction of its tokens P's prefix cache held at the turn that made it (0 unknown)
+    announced_s: float | None = None  # since its next turn was announced (acquired); None: not yet
 
 
 def tenant_of(conversation_key: str) -> str:
@@ -69,9 +72,10 @@ def choose(candidates: list[Candidate], requester: str | None, capacity_blocks: 
 
 def _least_worth(candidates: list[Candidate], indices: list[int], reason: str | None) -> tuple[int, str]:
     """The first ended lease among `indices`, else the first mostly covered by P's cache, else the first (least
-    recently used); `reason` (if given) names the choice instead."""
-    for test, why in ((looks_ended, ENDED), (lambda c: c.covered >= COVERED_FRACTION, COVERED)):
+    recently used) not announced, else the most recently announced; `reason` (if given) names the choice instead."""
+    for test, why in ((looks_ended, ENDED), (lambda c: c.covered >= COVERED_FRACTION, COVERED),
+                      (lambda c: c.announced_s is None, LEAST_RECENT)):
         found = next((i for i in indices if test(candidates[i])), None)
         if found is not None:
             return found, reason or why
-    return indices[0], reason or LEAST_RECENT
+    return min(indices, key=lambda i: candidates[i].announced_s), reason or ANNOUNCED

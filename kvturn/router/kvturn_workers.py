@@ -14,7 +14,7 @@ from kvturn.router.turn_backend import TurnBackend
 from kvturn.router.turn_costs import TurnCosts
 from kvturn.router.vllm_backend import KVTURN
 
-LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
+LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH, policy.LEASE_ENDED)  # D let it go
 NEW_PROMPT = {"do_remote_decode": True, "do_remote_prefill": False}  # P computes it all and pins it for D
 
 
