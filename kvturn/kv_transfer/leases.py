@@ -3,10 +3,11 @@
 D retains a finished turn's prompt + answer blocks for the next turn's prefill (readable many times until it
 expires, is released, or a newer turn of the same conversation supersedes it); P pins a prompt's blocks until D has
 read them (released after the read). Leases hold block references, so retained blocks are never recycled while
-leased. Under memory pressure (the pool's retained budget, or the scheduler short of blocks) the least recently used
-lease in the pool moves whole to the host tier when there is one (host_tier.py): its blocks are copied there and its
-pool blocks freed, so their epochs bump and a read racing the move is caught. Only when the host tier is full too is
-its least recently used lease dropped. A lease is renewed each time its conversation reads it (`acquire`, or D's own
+leased. Under memory pressure (the pool's retained budget, or the scheduler short of blocks) the lease retention.py
+chooses (tenants' shares, then the least likely to be read) moves whole to the host tier when there is one
+(host_tier.py): its blocks are copied there and its pool blocks freed, so their epochs bump and a read racing the
+move is caught. Only when the host tier is full too is its least recently used lease dropped. P's pins are never
+taken under pressure. A lease is renewed each time its conversation reads it (`acquire`, or D's own
 use), never past its maximum age. Deadlines are on this machine's monotonic clock; the record a peer sees carries
 the time left as a duration (`ttl_s`), from which the peer computes its own deadline. Mutations happen on the
 engine thread; lookups and renewals come from HTTP handlers, under the lock.
