@@ -61,7 +61,8 @@ def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
 def retention_summary(workers: dict[str, dict[str, float]]) -> dict | None:
     """What the decode workers retained and gave up under pressure, why, and what it cost others: leases by event,
     the reasons leases were chosen to go, decode preemptions and prompt tokens decode computed itself, prefill pins
-    let go, and leases the router withdrew before prefill read them. None without the workers' counters."""
+    let go, and leases let go that the router withdrew, that prefill saw before reading (both `lease_ended`) or after
+    (`epoch_mismatch`). None without the workers' counters."""
     decode, prefill, router = (workers.get(role, {}) for role in ("decode", "prefill", "router"))
     if not decode:
         return None
@@ -70,7 +71,9 @@ def retention_summary(workers: dict[str, dict[str, float]]) -> dict | None:
             "decode_preemptions": decode.get("kvturn_preemptions_total", 0.0),
             "decode_prompt_tokens_computed": decode.get("kvturn_prompt_tokens_computed_total", 0.0),
             "prefill_pins_reclaimed": labelled(prefill, "kvturn_kv_leases_total").get("reclaimed", 0.0),
-            "withdrawn_by_router": labelled(router, "kvturn_router_prefill_reuse_total").get("lease_ended", 0.0)}
+            "lease_ended": labelled(router, "kvturn_router_prefill_reuse_total").get("lease_ended", 0.0),
+            "lease_ended_seen_by_prefill": labelled(prefill, "kvturn_kv_reuse_declines_total").get("lease_ended", 0.0),
+            "epoch_mismatch": labelled(prefill, "kvturn_kv_reuse_declines_total").get("epoch_mismatch", 0.0)}
 
 
 def retention_words(summaries: list[dict]) -> str:
@@ -83,8 +86,10 @@ def retention_words(summaries: list[dict]) -> str:
         leases = r["leases"]
         why = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(r["choices"].items())) or "none"
         words.append(f"{s['leg']}: decode retained {leases.get('created', 0):.0f} leases and gave up "
-                     f"{leases.get('reclaimed', 0):.0f} under pressure (chosen as {why}); the router withdrew "
-                     f"{r['withdrawn_by_router']:.0f} it had let go; decode preempted {r['decode_preemptions']:.0f} "
+                     f"{leases.get('reclaimed', 0):.0f} under pressure (chosen as {why}); of the leases it had let "
+                     f"go, the router withdrew {r['lease_ended'] - r['lease_ended_seen_by_prefill']:.0f} and "
+                     f"prefill saw {r['lease_ended_seen_by_prefill']:.0f} before reading, "
+                     f"{r['epoch_mismatch']:.0f} after; decode preempted {r['decode_preemptions']:.0f} "
                      f"requests and computed {r['decode_prompt_tokens_computed']:.0f} prompt tokens itself; prefill "
                      f"let {r['prefill_pins_reclaimed']:.0f} pins go.")
     return " ".join(words)
