@@ -440,6 +440,9 @@ def bench(
     leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
     words = spread.verdict(leg_spreads, ratios, repeats) if repeats > 1 else report.verdict(summaries)
     console.print(words)
+    retention = report.retention_words(summaries)  # the first repeat's, with its counters
+    if retention:
+        console.print(retention)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
     title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned}; {layout.describe()})"
     if repeats > 1:
@@ -486,7 +489,7 @@ def bench(
                           "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure,
                           "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
-               "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
+               "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words, "retention": retention},
                "summaries": summaries, "prefix_sources": sources, "answers_equal": answers,
                "ideal_speedup": ideal, "ideal_speedup_whole_read": whole_read[0], "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
@@ -500,13 +503,14 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, words, ideal_spread) + prefix_sources.markdown(sources))
+                                            ratios, " ".join(filter(None, (words, retention))), ideal_spread)
+                             + prefix_sources.markdown(sources))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
                                    "scenario": payload["description"]},
                                   splits={leg: report.ttft_split(result) for leg, result in results.items()},
-                                  words=words, spread_html=spread.html(leg_spreads, ratios, repeats),
+                                  words=" ".join(filter(None, (words, retention))), spread_html=spread.html(leg_spreads, ratios, repeats),
                                   sections=transcript.html_section(results, shown) if shown else "")
     console.print(f"JSON: {json_path}\nsummary: {summary_path}\nplots: {', '.join(str(p) for p in plots.values())}"
                   f"\nHTML report: {html_path}")

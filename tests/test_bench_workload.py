@@ -242,3 +242,23 @@ def test_the_bench_refuses_a_bad_workload_file_with_a_usage_error(tmp_path, monk
     assert result.exit_code == 2, (result.output, result.exception)  # a usage error, before any stack starts
     said = " ".join(result.output.replace("│", " ").split())
     assert "bad.json" in said and message in said, result.output
+
+
+def test_the_report_says_what_decode_retained_gave_up_and_why_and_what_it_cost_others():
+    from kvturn.bench.report import retention_words
+    result = RunResult(runtime_s=1.0, worker_counters={
+        "decode": {'kvturn_kv_leases_total{event="created"}': 56.0, 'kvturn_kv_leases_total{event="reclaimed"}': 40.0,
+                   'kvturn_kv_retention_choices_total{reason="ended"}': 4.0,
+                   'kvturn_kv_retention_choices_total{reason="least_recent"}': 36.0,
+                   'kvturn_kv_retention_choices_total{reason="covered"}': 0.0,
+                   "kvturn_preemptions_total": 0.0, "kvturn_prompt_tokens_computed_total": 0.0},
+        "prefill": {'kvturn_kv_leases_total{event="reclaimed"}': 0.0,
+                    'kvturn_kv_reuse_declines_total{reason="lease_ended"}': 6.0,
+                    'kvturn_kv_reuse_declines_total{reason="epoch_mismatch"}': 1.0},
+        "router": {'kvturn_router_prefill_reuse_total{outcome="lease_ended"}': 38.0}})
+    summary = summarize("bidir/P-cache-on", result)
+    assert summary["retention"]["choices"] == {"ended": 4.0, "least_recent": 36.0}
+    assert retention_words([summary, summarize("pd/P-cache-on", RunResult(runtime_s=1.0))]) == (
+        "bidir/P-cache-on: decode retained 56 leases and gave up 40 under pressure (chosen as ended 4, least_recent "
+        "36); of the leases it had let go, the router withdrew 32 and prefill saw 6 before reading, 1 after; decode "
+        "preempted 0 requests and computed 0 prompt tokens itself; prefill let 0 pins go.")

@@ -107,12 +107,14 @@ class RunResult:
     transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
     # with --hosts netns: bytes each host's link carried during the run, into and out of its namespace
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # role -> its worker's retention counters at the end of the run (compare.worker_counters), when the bench launched it
+    worker_counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
                 "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
-                "transcript": self.transcript, "link_bytes": self.link_bytes}
+                "transcript": self.transcript, "link_bytes": self.link_bytes, "worker_counters": self.worker_counters}
 
 
 class RateLimiter:

@@ -52,6 +52,33 @@ def worker_calibration(stack: LocalStack) -> dict[str, list]:
     return steps
 
 
+# What a worker's /metrics says of retention under pressure, kept per leg (report.retention_words)
+COUNTERS = ("kvturn_kv_leases_total", "kvturn_kv_retention_choices_total", "kvturn_preemptions_total",
+            "kvturn_prompt_tokens_computed_total", "kvturn_kv_reuse_declines_total", "kvturn_kv_tier_moves_total")
+
+
+def worker_counters(stack: LocalStack) -> dict[str, dict[str, float]]:
+    """The retention counters (COUNTERS, by `name{labels}`) of each role's workers, summed; the routers' reuse
+    outcomes too."""
+    counters: dict[str, dict[str, float]] = {}
+    for name, url in stack.urls.items():
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue
+        role = name.rstrip("0123456789")
+        wanted = COUNTERS + (("kvturn_router_prefill_reuse_total",) if role == "router" else ())
+        into = counters.setdefault(role, {})
+        for line in text.splitlines():
+            metric, _, value = line.rpartition(" ")
+            if metric.split("{")[0] in wanted:
+                try:
+                    into[metric] = into.get(metric, 0.0) + float(value)
+                except ValueError:
+                    pass
+    return counters
+
+
 def worker_steps(stack: LocalStack, since_s: float) -> tuple[dict[str, list], list[str]]:
     """Each worker's forward steps since `since_s` (GET /kv/steps), by role, for `kvturn plan` to fit its step costs
     to; and the workers left out, which did not answer or dropped steps of the span (raise --step-history-steps)."""
@@ -111,6 +138,7 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
                              for host in after}
         result.worker_calibration = worker_calibration(stack)
         result.worker_steps, missing = worker_steps(stack, started_s)
+        result.worker_counters = worker_counters(stack)
         if missing:
             console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan cannot calibrate "
                           f"from this leg[/yellow]")

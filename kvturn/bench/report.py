@@ -51,7 +51,51 @@ def summarize(name: str, result: RunResult) -> dict:
         "link_bytes": result.link_bytes,
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
         "mean_retained_kv_bytes": float(np.mean([b for _, b in result.retained_kv])) if result.retained_kv else 0.0,
+        "retention": retention_summary(result.worker_counters),
     }
+
+
+def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
+    """label value -> count of counter `name` with one label (`name{label="value"}`)."""
+    prefix = name + "{"
+    return {key[len(prefix):].split('"')[1]: value for key, value in counters.items() if key.startswith(prefix)}
+
+
+def retention_summary(workers: dict[str, dict[str, float]]) -> dict | None:
+    """What the decode workers retained and gave up under pressure, why, and what it cost others: leases by event,
+    the reasons leases were chosen to go, decode preemptions and prompt tokens decode computed itself, prefill pins
+    let go, and leases let go that the router withdrew, that prefill saw before reading (both `lease_ended`) or after
+    (`epoch_mismatch`). None without the workers' counters."""
+    decode, prefill, router = (workers.get(role, {}) for role in ("decode", "prefill", "router"))
+    if not decode:
+        return None
+    return {"leases": labelled(decode, "kvturn_kv_leases_total"),
+            "choices": {k: v for k, v in labelled(decode, "kvturn_kv_retention_choices_total").items() if v},
+            "decode_preemptions": decode.get("kvturn_preemptions_total", 0.0),
+            "decode_prompt_tokens_computed": decode.get("kvturn_prompt_tokens_computed_total", 0.0),
+            "prefill_pins_reclaimed": labelled(prefill, "kvturn_kv_leases_total").get("reclaimed", 0.0),
+            "lease_ended": labelled(router, "kvturn_router_prefill_reuse_total").get("lease_ended", 0.0),
+            "lease_ended_seen_by_prefill": labelled(prefill, "kvturn_kv_reuse_declines_total").get("lease_ended", 0.0),
+            "epoch_mismatch": labelled(prefill, "kvturn_kv_reuse_declines_total").get("epoch_mismatch", 0.0)}
+
+
+def retention_words(summaries: list[dict]) -> str:
+    """Each leg's retention under pressure in a sentence (legs whose decode workers retained nothing are left out)."""
+    words = []
+    for s in summaries:
+        r = s.get("retention")
+        if not r or not r["leases"].get("created"):
+            continue
+        leases = r["leases"]
+        why = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(r["choices"].items())) or "none"
+        words.append(f"{s['leg']}: decode retained {leases.get('created', 0):.0f} leases and gave up "
+                     f"{leases.get('reclaimed', 0):.0f} under pressure (chosen as {why}); of the leases it had let "
+                     f"go, the router withdrew {r['lease_ended'] - r['lease_ended_seen_by_prefill']:.0f} and "
+                     f"prefill saw {r['lease_ended_seen_by_prefill']:.0f} before reading, "
+                     f"{r['epoch_mismatch']:.0f} after; decode preempted {r['decode_preemptions']:.0f} "
+                     f"requests and computed {r['decode_prompt_tokens_computed']:.0f} prompt tokens itself; prefill "
+                     f"let {r['prefill_pins_reclaimed']:.0f} pins go.")
+    return " ".join(words)
 
 
 def _share_within(records, tolerance: float) -> float | None:

@@ -20,7 +20,7 @@ from kvturn.engine.block_manager import chain_hash
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
-from kvturn.kv_transfer import policy
+from kvturn.kv_transfer import policy, retention
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
 from kvturn.kv_transfer.layered_reads import AbandonedRead, LayeredReads, LayerWait
@@ -29,6 +29,7 @@ from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_S = 0.01  # the engine thread waits this long at most for a lease's epochs before reading it
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class RetainSpec:
     ttl_s: float
     conversation_key: str
     release_after_read: bool  # P's pin for one decode; D's lease stays readable until it expires
+    covered: float = 0.0  # fraction of the prompt P's prefix cache held (retention.py weighs the lease by it)
 
 
 @dataclass(slots=True)
@@ -118,6 +120,13 @@ class KVConnector:
     def waiting_on_reads(self) -> bool:
         return bool(self.loads)
 
+    def reclaim_for(self, seq: Sequence) -> bool:
+        """The pool is short of blocks for `seq`: give up a retained lease (retention.py chooses which, for the
+        tenant of `seq`'s conversation); False if none may go."""
+        spec = seq.retain
+        tenant = retention.tenant_of(spec.conversation_key) if spec and not spec.release_after_read else None
+        return self.leases.reclaim_oldest(tenant)
+
     def decline(self, seq: Sequence, reason: str) -> None:
         seq.reuse_outcome = reason
         self.stats.reuse_declines[reason] += 1
@@ -142,6 +151,8 @@ class KVConnector:
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
         if not decision.loads:
             self.decline(seq, decision.reason)
+        elif not remote.prefilled_for_us and self._lease_let_go(seq, decision):
+            self.decline(seq, policy.LEASE_ENDED)
         elif self._overlaps(seq, decision):
             self.layered.start(seq, decision)
         elif not self._start_read(seq, decision):
@@ -180,6 +191,27 @@ class KVConnector:
         self.stats.host_restore_bytes += nbytes
         self.stats.host_restore_seconds += elapsed
         self.engine.publish_full_blocks(seq)
+
+    def _lease_let_go(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """Before reading a peer's lease (not P's pin, which is never let go under pressure): read back the epochs of
+        the blocks wanted, a few bytes, and skip the read if the holder has let them go since its record was made
+        (under pressure, while this prompt waited in our queue). False when that cannot be told within
+        PROBE_WAIT_S: the read then goes ahead and its own epoch check decides."""
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids = seq.block_table[first:last]
+        try:
+            handle = self.nixl.start_epoch_read(remote.peer_engine_id, remote.block_ids[first:last], local_ids,
+                                                remote.tier)
+        except Exception:
+            return False
+        waited_until = time.perf_counter() + PROBE_WAIT_S
+        while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
+            time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
+        if state == IN_PROGRESS:
+            self.abandoned.append(AbandonedRead([handle], []))  # lands in the scratch epochs only; reaped later
+            return False
+        self.nixl.release(handle)
+        return state == DONE and self.nixl.scratch_epochs(local_ids) != remote.block_epochs[first:last]
 
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
@@ -354,6 +386,6 @@ class KVConnector:
                 hashes = hashes + [chain_hash(hashes[-1] if hashes else seq.hash_seed, tail)]
                 tokens = seq.num_computed_tokens
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
-                                   spec.release_after_read, first_token)
+                                   spec.release_after_read, first_token, spec.covered)
         if lease is not None:
             seq.retained = lease.to_public(self.clock())
