@@ -111,6 +111,7 @@ def worker(
     kv_lease_max_age_s: float = option(ConnectorConfig, "kv_lease_max_age_s"),
     side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
     kv_read_overlap: bool = option(ConnectorConfig, "kv_read_overlap", "--kv-read-overlap/--no-kv-read-overlap"),
+    kv_read_layer_wait_s: float = option(ConnectorConfig, "kv_read_layer_wait_s"),
     cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
     log_level: str = typer.Option("info"),
@@ -128,7 +129,7 @@ def worker(
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
                       retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
                       kv_lease_max_age_s=kv_lease_max_age_s, side_channel_timeout_s=side_channel_timeout_s,
-                      kv_read_overlap=kv_read_overlap, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
+                      kv_read_overlap=kv_read_overlap, kv_read_layer_wait_s=kv_read_layer_wait_s, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,

@@ -110,8 +110,8 @@ class SlowLink:
     """Holds back what NIXL reports of a layered read, as a slow link would: layer l's transfer reads as in
     progress until `arrived` says it is in (the bytes themselves moved for real when it was posted)."""
 
-    def __init__(self, nixl, fail_layer: int | None = None):
-        self.nixl, self.fail_layer = nixl, fail_layer
+    def __init__(self, nixl, fail_layer: int | None = None, stuck_layer: int | None = None):
+        self.nixl, self.fail_layer, self.stuck_layer = nixl, fail_layer, stuck_layer
         self.layers: list = []  # handles of the layered read, in layer order
         self.arrived = 0
         self.looked_at: set = set()
@@ -135,6 +135,8 @@ class SlowLink:
             layer = self.layers.index(handle)
             if layer == self.fail_layer:
                 return "ERR"
+            if layer == self.stuck_layer:
+                return "PROC"  # a peer that stopped mid-read
             if layer > self.arrived:
                 return "PROC"  # layers arrive in order...
             if handle not in self.looked_at:
@@ -210,3 +212,13 @@ def test_with_overlap_off_the_history_is_read_whole_before_any_compute(model, re
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
     assert link.layers == [] and seq.timing.kv_read_hidden_s == 0
+
+
+def test_a_layer_that_never_arrives_holds_the_step_only_so_long_then_the_prompt_recomputes(pair, reference):
+    _, prefill, remote = pair
+    prefill.connector.config.kv_read_layer_wait_s = 0.2
+    SlowLink(prefill.connector.nixl, stuck_layer=2)
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "peer_unreachable" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+    assert prefill.connector.abandoned  # its blocks stay out of use while NIXL may still write them

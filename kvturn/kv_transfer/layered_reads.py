@@ -3,9 +3,10 @@ each layer only when it reaches it: over a slow link the read and the compute ov
 max(read, compute) plus one layer's share of the smaller, instead of their sum (vLLM's NIXL connector loads layer by
 layer for the same reason).
 
-A sequence whose history is read so runs at once instead of waiting in LOADING_KV. Before layer l the step's forward
-pass calls the `LayerWait` of its batch, which waits (polling, bounded by the read's timeout) until layer l of every
-such read in the batch has arrived. As soon as every layer is in, the blocks' epochs are read back; when the step
+A sequence whose history is read so waits in LOADING_KV only until the first layer has arrived (the peer is alive and
+the link moving), then runs. Before layer l the step's forward pass calls the `LayerWait` of its batch, which waits
+(polling, at most `kv_read_layer_wait_s` a layer: the whole step waits with it) until layer l of every such read in
+the batch has arrived. As soon as every layer is in, the blocks' epochs are read back; when the step
 ends they are checked before anything of the step counts for the sequence. A read that failed, timed out or whose
 blocks the peer recycled makes the sequence recompute, as a whole read's failure does, and its sampled token (if
 the step reached its last prompt token) is dropped with its generator put back as it was.
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvturn.engine.sequence import Sequence
+from kvturn.engine.sequence import Sequence, Status
 from kvturn.kv_transfer import policy
 from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 
@@ -132,10 +133,12 @@ def verify(read: LayeredRead, nixl: KVTransferAgent, clock) -> None:
 
 @dataclass(slots=True)
 class LayerWait:
-    """Called by the forward pass before each layer: waits until that layer of each read in the step is in."""
+    """Called by the forward pass before each layer: waits until that layer of each read in the step is in, or gives
+    the read up after `layer_wait_s` (a peer that stopped mid-read must not hold every prompt of the step long)."""
     reads: list[LayeredRead]
     nixl: KVTransferAgent
     clock: object
+    layer_wait_s: float
     waited_s: float = 0.0
     _started: float = field(default_factory=time.perf_counter)
 
@@ -149,9 +152,12 @@ class LayerWait:
     def __call__(self, layer: int) -> None:
         began = time.perf_counter()
         for read in self.reads:
-            waited = time.perf_counter()
+            waited, gives_up_at = time.perf_counter(), self.clock() + self.layer_wait_s
             advance(read, self.nixl, self.clock())
             while not read.failed and layer not in read.arrived:
+                if self.clock() > gives_up_at:
+                    read.failed = policy.PEER_UNREACHABLE
+                    break
                 time.sleep(POLL_INTERVAL_S)
                 advance(read, self.nixl, self.clock())
             read.waited_s += time.perf_counter() - waited
@@ -186,12 +192,21 @@ class LayeredReads:
         post_more(read)  # a later layer failing to post: the read recomputes when its step ends
         self.reads.append(read)
         seq.num_computed_tokens = last * connector.block_size
+        seq.status = Status.LOADING_KV  # until its first layer is in
 
     def advance_all(self) -> None:
-        """Keep every read moving between steps (the next layers posted as the earlier land)."""
+        """Between steps: keep every read moving (the next layers posted as the earlier land), let a sequence whose
+        first layer is in run, and give up a read that failed before its sequence ran."""
         now = self.connector.clock()
-        for read in self.reads:
+        for read in list(self.reads):
             advance(read, self.connector.nixl, now)
+            if read.seq.status is not Status.LOADING_KV:
+                continue  # it ran: step_done decides, after the step it is in
+            if read.failed:
+                self.reads.remove(read)
+                self._fall_back(read)
+            elif 0 in read.arrived:
+                self.connector.engine.scheduler.finish_loading(read.seq)
 
     def waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
         """What the step's forward pass calls before each layer, when the step computes a layered read's tokens."""
@@ -203,7 +218,8 @@ class LayeredReads:
         for read in reads:
             if read.first_step_at is None:
                 read.steps_before_first = min(step_seconds - read.steps_before, time.perf_counter() - read.started)
-        return LayerWait(reads, self.connector.nixl, self.connector.clock) if reads else None
+        return LayerWait(reads, self.connector.nixl, self.connector.clock,
+                         self.connector.config.kv_read_layer_wait_s) if reads else None
 
     def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
         """After a step's forward pass: verify the layered reads it computed on. Returns the sequences whose read
@@ -240,6 +256,8 @@ class LayeredReads:
         connector = self.connector
         seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
         connector.decline(seq, read.failed)
+        if seq.status is Status.LOADING_KV:
+            connector.engine.scheduler.finish_loading(seq)
         if read.generator_state is not None:
             seq.generator.set_state(read.generator_state)
         seq.num_computed_tokens = first * connector.block_size
