@@ -16,8 +16,8 @@ os.environ.setdefault("KVTURN_CACHE_DIR", str(Path(__file__).resolve().parent.pa
 # runs the rest alone; `make test` runs both. Here the modules all of whose tests do; elsewhere such a test carries
 # @pytest.mark.integration itself.
 INTEGRATION_MODULES = {"test_clients", "test_disaggregated", "test_exhaustion", "test_faults", "test_fuzz",
-                       "test_many_routers", "test_observability", "test_real_model", "test_redis_state", "test_retention",
-                       "test_store_trust", "test_supervision", "test_trust", "test_vllm_integration",
+                       "test_many_routers", "test_observability", "test_pressure", "test_real_model",
+                       "test_redis_state", "test_retention", "test_store_trust", "test_supervision", "test_trust", "test_vllm_integration",
                        "test_vllm_router", "test_worker_api"}
 INTEGRATION_TESTS = {"test_plan.py::test_the_router_traces_each_finished_turn_for_the_planner"}
 

@@ -129,3 +129,12 @@ def test_the_longest_prompts_speedup_against_its_ideal_is_given_with_its_spread(
         "At the longest prompt (8891 tokens), over 3 repeats: TTFT OFF/ON 12.00x (10.00x-14.80x) against an ideal of "
         "15.00x, measured/ideal 80% (67%-99%); time outside compute and transfer in the ON turn 30.0 (27.0-40.0) ms.")
     assert spread.ideal_spread([None]) is None
+
+
+def test_a_verdict_leads_with_sessions_and_calls_a_leg_slower_whose_sessions_got_slower_though_ttft_fell():
+    runs = [[summarize(PD, leg_run([8000] * 3, session_s=pd_s)), summarize(BIDIR, leg_run([2400] * 3, session_s=s))]
+            for pd_s, s in ((65.0, 110.0), (70.0, 114.0), (60.0, 120.0))]
+    words = spread.verdict(spread.leg_spreads(runs), spread.ratio_spreads(runs), 3)
+    assert words.startswith(f"{BIDIR} against {PD} over 3 repeats: sessions slower; session p50 114.0 (110.0-120.0) "
+                            "against 65.0 (60.0-70.0) s: higher")
+    assert "TPOT p50 5.0 against 5.0 ms: within noise" in words and "TTFT p50 2400 against 8000 ms: lower" in words

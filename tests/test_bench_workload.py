@@ -117,11 +117,30 @@ def test_the_report_leads_with_a_verdict_and_shows_the_time_outside_compute_and_
     results = {"pd/P-cache-off": run(400.0, 380.0, 0.0), "bidir/P-cache-off": run(100.0, 70.0, 8 * 2**20)}
     page = write_html(tmp_path / "report.html", "t", [summarize(leg, r) for leg, r in results.items()], {},
                       {"machine": {"cores": 2}}, splits={leg: ttft_split(r) for leg, r in results.items()}).read_text()
-    verdict = page.index("bidirectional transfer cut TTFT p50 from 400 to 100 ms (4.00x), holding up to 8.0 MiB")
+    verdict = page.index("bidirectional transfer cut TTFT: TTFT p50 from 400 to 100 ms (0.25x), holding up to 8.0 MiB")
     assert verdict < page.index("<table>")
     assert "30 ms of its 100 ms TTFT p50 is outside compute and transfer" in page
     assert "<th>other: router, side channel, queues</th>" in page  # its own column of where TTFT goes
     assert "<pre>" not in page and "<td>cores</td><td>2</td>" in page
+
+
+def test_the_verdict_calls_a_leg_slower_when_its_sessions_got_slower_whatever_ttft_did():
+    """The run that started this: P's first token went out ahead of a stalled decode worker's stream."""
+    from kvturn.bench.report import verdict
+
+    def run(ttft_ms: float, tpot_ms: float, session_s: float) -> RunResult:
+        result = RunResult(runtime_s=1.0, retained_kv=[(0.0, 0.0)])
+        result.requests.append(RequestRecord("c", 0, 0, 1, 0.0, warmup=False, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                             latency_ms=ttft_ms + 40 * tpot_ms))
+        result.sessions.append(SessionRecord("c", 0, 0.0, duration_s=session_s, turns_completed=1))
+        return result
+    words = verdict([summarize("pd/P-cache-on", run(8075.0, 14.2, 65.5)),
+                     summarize("bidir/P-cache-on", run(2409.0, 278.0, 114.3))])
+    assert ("With prefix caching on on prefill, bidirectional transfer made sessions slower though it cut TTFT: "
+            "session p50 from 65.5 to 114.3 s (1.75x), TPOT p50 from 14.2 to 278.0 ms (19.58x), "
+            "TTFT p50 from 8075 to 2409 ms (0.30x)") in words
+    assert "made sessions faster: session p50 from 114.3 to 65.5 s" in verdict(
+        [summarize("pd/P-cache-on", run(2409.0, 278.0, 114.3)), summarize("bidir/P-cache-on", run(8075.0, 14.2, 65.5))])
 
 
 def test_the_split_of_ttft_adds_up_to_the_ttft_when_ps_first_token_went_ahead():
@@ -223,3 +242,23 @@ def test_the_bench_refuses_a_bad_workload_file_with_a_usage_error(tmp_path, monk
     assert result.exit_code == 2, (result.output, result.exception)  # a usage error, before any stack starts
     said = " ".join(result.output.replace("│", " ").split())
     assert "bad.json" in said and message in said, result.output
+
+
+def test_the_report_says_what_decode_retained_gave_up_and_why_and_what_it_cost_others():
+    from kvturn.bench.report import retention_words
+    result = RunResult(runtime_s=1.0, worker_counters={
+        "decode": {'kvturn_kv_leases_total{event="created"}': 56.0, 'kvturn_kv_leases_total{event="reclaimed"}': 40.0,
+                   'kvturn_kv_retention_choices_total{reason="ended"}': 4.0,
+                   'kvturn_kv_retention_choices_total{reason="least_recent"}': 36.0,
+                   'kvturn_kv_retention_choices_total{reason="covered"}': 0.0,
+                   "kvturn_preemptions_total": 0.0, "kvturn_prompt_tokens_computed_total": 0.0},
+        "prefill": {'kvturn_kv_leases_total{event="reclaimed"}': 0.0,
+                    'kvturn_kv_reuse_declines_total{reason="lease_ended"}': 6.0,
+                    'kvturn_kv_reuse_declines_total{reason="epoch_mismatch"}': 1.0},
+        "router": {'kvturn_router_prefill_reuse_total{outcome="lease_ended"}': 38.0}})
+    summary = summarize("bidir/P-cache-on", result)
+    assert summary["retention"]["choices"] == {"ended": 4.0, "least_recent": 36.0}
+    assert retention_words([summary, summarize("pd/P-cache-on", RunResult(runtime_s=1.0))]) == (
+        "bidir/P-cache-on: decode retained 56 leases and gave up 40 under pressure (chosen as ended 4, least_recent "
+        "36); of the leases it had let go, the router withdrew 32 and prefill saw 6 before reading, 1 after; decode "
+        "preempted 0 requests and computed 0 prompt tokens itself; prefill let 0 pins go.")

@@ -22,8 +22,11 @@ FIGURES = (
 )
 LABELS = {key: label for key, label, _, _ in FIGURES}
 UNITS = {key: unit for key, _, unit, _ in FIGURES}
-RATIO_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "tpot_p90_ms", "session_p50_s")
-VERDICT_FIGURES = ("ttft_p50_ms", "later_ttft_p50_ms", "session_p50_s")
+RATIO_FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "tpot_p50_ms", "tpot_p90_ms", "session_p50_s")
+# Sessions first: they decide whether a leg is slower (P's first token goes out ahead of D's stream, so a stalled
+# decode worker shows in TPOT and session time, not in TTFT).
+VERDICT_FIGURES = ("session_p50_s", "tpot_p50_ms", "ttft_p50_ms", "later_ttft_p50_ms")
+SESSION_CALL = {"higher": "slower", "lower": "faster", "within noise": "within noise"}
 IDEAL_FIGURES = ("measured_speedup", "ideal_speedup", "fraction_of_ideal", "other_ms")
 
 
@@ -113,13 +116,15 @@ def verdict(legs: dict[str, dict], ratios: dict[str, dict], repeats: int) -> str
     ranges, and "lower", "higher" or "within noise" by whether the ranges are apart."""
     words = []
     for candidate, baseline in pairs(list(legs)):
-        parts = []
+        parts, call = [], None
         for key in VERDICT_FIGURES:
             ours, theirs = legs[candidate][key], legs[baseline][key]
             if ours is None or theirs is None:
                 continue
             unit, ratio = UNITS[key], ratios.get(ratio_name(candidate, baseline), {}).get(key)
             word = compare(theirs, ours)
+            if key == "session_p50_s":
+                call = f"sessions {SESSION_CALL[word]}"
             if word == "within noise" and same_side(ratio):
                 # the machine's pace moved between repeats more than the legs differ within one
                 word += f", though {same_side(ratio)} within each repeat"
@@ -127,7 +132,8 @@ def verdict(legs: dict[str, dict], ratios: dict[str, dict], repeats: int) -> str
                          f"{word}" + (f" ({spread_text(ratio, 'x')})" if ratio else ""))
         retained = legs[candidate]["peak_retained_mib"]
         if parts:
-            words.append(f"{candidate} against {baseline} over {repeats} repeats: " + "; ".join(parts)
+            words.append(f"{candidate} against {baseline} over {repeats} repeats: " + (f"{call}; " if call else "")
+                         + "; ".join(parts)
                          + (f"; holding up to {spread_text(retained, 'MiB')} MiB of retained KV." if retained else "."))
     if not words:
         words = [f"{leg}: TTFT p50 {spread_text(figures['ttft_p50_ms'], 'ms')} ms over {repeats} repeats."

@@ -36,14 +36,18 @@ class RequestOutput:
 
 
 class Connector(Protocol):
-    """What the engine asks of a KV connector; every call comes on the engine thread."""
-    leases: object  # reclaim_oldest() frees retained blocks before anyone is preempted
+    """What the engine asks of a KV connector; every call comes on the engine thread. `reclaim_for` frees retained
+    blocks for a sequence short of them, before it waits or anyone is preempted."""
 
+    def reclaim_for(self, seq: Sequence) -> bool: ...
     def on_admit(self, seq: Sequence, full_hashes: list[int]) -> None: ...
     def poll(self) -> None: ...
     def on_finish(self, seq: Sequence) -> None: ...
     def on_abort(self, seq: Sequence) -> None: ...
+    def on_preempt(self, seq: Sequence) -> None: ...
     def has_work(self) -> bool: ...
+    def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> Callable[[int], None] | None: ...
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]: ...
 
     @property
     def waiting_on_reads(self) -> bool: ...
@@ -69,7 +73,8 @@ class LLMEngine:
         if self.prefix_host is not None:
             self.block_manager.on_evict = self.prefix_host.keep
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._reclaim_retained, config.prefill_pack_tokens, self.prefix_host)
+                                   self._reclaim_retained, config.prefill_pack_tokens, self.prefix_host,
+                                   self._on_preempt)
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector: Connector | None = None
         self.emit = emit
@@ -149,18 +154,26 @@ class LLMEngine:
         for seq, _ in batch:
             if seq.timing.first_scheduled is None:
                 seq.timing.first_scheduled = started
-        sampled = self.runner.run(batch)
+        # A connector reading some of the batch's history layer by layer has the forward wait for each layer, and
+        # then says whose read failed: nothing of this step counts for those.
+        wait = self.connector.layer_waiter(batch) if self.connector else None
+        sampled = self.runner.run(batch, wait)
+        rejected = self.connector.step_done(batch) if wait else set()
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
-        self.steps.record(step_record(batch, started_wall, elapsed, time.thread_time() - started_cpu))
+        compute = elapsed - (wait.waited_s if wait else 0.0)  # the time the step waited for layers is the read's
+        self.steps.record(step_record(batch, started_wall, compute, time.thread_time() - started_cpu))
+        batch = [(seq, num_new) for seq, num_new in batch if seq not in rejected]
         prompt_tokens = sum(num_new for seq, num_new in batch if seq.num_output_tokens == 0)
         for seq, num_new in batch:
             if seq.num_output_tokens == 0:
-                seq.timing.prefill_compute_s += elapsed
+                seq.timing.prefill_compute_s += compute
                 seq.timing.prefill_shared_tokens += prompt_tokens - num_new
             seq.num_computed_tokens += num_new
             self.publish_full_blocks(seq)
         for seq, (token_id, logprob) in sampled.items():
+            if seq in rejected:
+                continue
             if seq.first_token_id is not None and seq.num_output_tokens == 0:
                 token_id = seq.first_token_id  # the client may hold it already (see Sequence.first_token_id)
             self.append_token(seq, token_id, logprob)
@@ -210,8 +223,8 @@ class LLMEngine:
         stats.prompt_tokens_remote += seq.num_remote_tokens
         stats.prompt_tokens_computed += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens
 
-    def _reclaim_retained(self) -> bool:
-        return bool(self.connector) and self.connector.leases.reclaim_oldest()
+    def _reclaim_retained(self, seq: Sequence) -> bool:
+        return bool(self.connector) and self.connector.reclaim_for(seq)
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Give each newly completed block its chained hash so the prefix cache and leases can name it."""
@@ -223,6 +236,10 @@ class LLMEngine:
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.block_manager.publish(seq.block_table[i], hashes[i], tokens)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self.connector:
+            self.connector.on_preempt(seq)
 
     def _on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
         if self.connector:

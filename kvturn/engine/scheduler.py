@@ -38,8 +38,8 @@ class _Step:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaim_retained: Callable[[], bool], prefill_pack_tokens: int | None = None,
-                 prefix_host: PrefixHostTier | None = None):
+                 reclaim_retained: Callable[[Sequence], bool], prefill_pack_tokens: int | None = None,
+                 prefix_host: PrefixHostTier | None = None, on_preempt: Callable[[Sequence], None] | None = None):
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -47,6 +47,7 @@ class Scheduler:
         self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens
         self.reclaim_retained = reclaim_retained
         self.prefix_host = prefix_host
+        self.on_preempt = on_preempt  # told before a sequence's blocks are freed (a read may be filling them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []
@@ -124,7 +125,7 @@ class Scheduler:
             revived = sum(1 for b in hit if bm.blocks[b].ref_count == 0)
             if bm.num_free_blocks - revived >= total_blocks - len(hit):
                 break
-            if not self.reclaim_retained():
+            if not self.reclaim_retained(seq):
                 return None
         for block_id in hit:
             bm.take(block_id)
@@ -151,7 +152,7 @@ class Scheduler:
         bm = self.block_manager
         needed = seq.blocks_needed(self.block_size, num_tokens) - len(seq.block_table)
         while needed > bm.num_free_blocks:
-            if self.reclaim_retained():
+            if self.reclaim_retained(seq):
                 continue
             victim = self.running[-1]
             self.preempt(victim)
@@ -163,6 +164,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         self.running.remove(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table, seq.num_computed_tokens, seq.num_published_blocks = [], 0, 0

@@ -27,6 +27,7 @@ class Timing:
     submitted: float | None = None
     kv_read_s: float = 0.0
     kv_read_step_s: float = 0.0  # of kv_read_s, the engine's steps that ran meanwhile (a read is seen done between them)
+    kv_read_hidden_s: float = 0.0  # of kv_read_s, what its own step's compute covered (a read posted layer by layer)
     prefill_compute_s: float = 0.0
     prefill_shared_tokens: int = 0  # other prompts' tokens computed in the steps of its prefill (they share the time)
     kv_read_bytes: int = 0

@@ -20,14 +20,16 @@ from kvturn.engine.block_manager import chain_hash
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
-from kvturn.kv_transfer import policy
+from kvturn.kv_transfer import policy, retention
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
+from kvturn.kv_transfer.layered_reads import AbandonedRead, LayeredReads, LayerWait
 from kvturn.kv_transfer.leases import LeaseTable
 from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_S = 0.01  # the engine thread waits this long at most for a lease's epochs before reading it
 
 
 @dataclass(slots=True)
@@ -51,6 +53,7 @@ class RetainSpec:
     ttl_s: float
     conversation_key: str
     release_after_read: bool  # P's pin for one decode; D's lease stays readable until it expires
+    covered: float = 0.0  # fraction of the prompt P's prefix cache held (retention.py weighs the lease by it)
 
 
 @dataclass(slots=True)
@@ -83,13 +86,6 @@ class PendingLoad:
     reading_epochs: bool = False
 
 
-@dataclass(slots=True)
-class AbandonedRead:
-    """A read we gave up on: its target blocks stay held until NIXL is done with them."""
-    handle: object
-    block_ids: list[int]
-
-
 class KVConnector:
     def __init__(self, engine: LLMEngine, config: ConnectorConfig, clock=time.monotonic):
         """`clock`: this worker's own (monotonic) seconds, on which every lease deadline here is set."""
@@ -108,6 +104,7 @@ class KVConnector:
                                     prefix_host=engine.prefix_host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
+        self.layered = LayeredReads(self)  # reads posted layer by layer, their sequences running
         self.abandoned: list[AbandonedRead] = []
         self._last_expiry_check = 0.0
         engine.attach_connector(self)
@@ -122,6 +119,13 @@ class KVConnector:
     @property
     def waiting_on_reads(self) -> bool:
         return bool(self.loads)
+
+    def reclaim_for(self, seq: Sequence) -> bool:
+        """The pool is short of blocks for `seq`: give up a retained lease (retention.py chooses which, for the
+        tenant of `seq`'s conversation); False if none may go."""
+        spec = seq.retain
+        tenant = retention.tenant_of(spec.conversation_key) if spec and not spec.release_after_read else None
+        return self.leases.reclaim_oldest(tenant)
 
     def decline(self, seq: Sequence, reason: str) -> None:
         seq.reuse_outcome = reason
@@ -147,6 +151,10 @@ class KVConnector:
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
         if not decision.loads:
             self.decline(seq, decision.reason)
+        elif not remote.prefilled_for_us and self._lease_let_go(seq, decision):
+            self.decline(seq, policy.LEASE_ENDED)
+        elif self._overlaps(seq, decision):
+            self.layered.start(seq, decision)
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
@@ -184,6 +192,27 @@ class KVConnector:
         self.stats.host_restore_seconds += elapsed
         self.engine.publish_full_blocks(seq)
 
+    def _lease_let_go(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """Before reading a peer's lease (not P's pin, which is never let go under pressure): read back the epochs of
+        the blocks wanted, a few bytes, and skip the read if the holder has let them go since its record was made
+        (under pressure, while this prompt waited in our queue). False when that cannot be told within
+        PROBE_WAIT_S: the read then goes ahead and its own epoch check decides."""
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids = seq.block_table[first:last]
+        try:
+            handle = self.nixl.start_epoch_read(remote.peer_engine_id, remote.block_ids[first:last], local_ids,
+                                                remote.tier)
+        except Exception:
+            return False
+        waited_until = time.perf_counter() + PROBE_WAIT_S
+        while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
+            time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
+        if state == IN_PROGRESS:
+            self.abandoned.append(AbandonedRead([handle], []))  # lands in the scratch epochs only; reaped later
+            return False
+        self.nixl.release(handle)
+        return state == DONE and self.nixl.scratch_epochs(local_ids) != remote.block_epochs[first:last]
+
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
@@ -199,6 +228,29 @@ class KVConnector:
                                       gives_up_at, self.engine.step_seconds))
         return True
 
+    def _overlaps(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """P's read of a history, layer by layer beside its compute; not D's read of what P prefilled for it."""
+        remote = seq.remote
+        return (self.config.kv_read_overlap and not decision.whole_prompt and not remote.prefilled_for_us
+                and remote.first_token_id is None)
+
+    def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
+        return self.layered.waiter(batch)
+
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
+        return self.layered.step_done(batch)
+
+    def on_preempt(self, seq: Sequence) -> None:
+        self.layered.drop(seq, policy.PREEMPTED)
+
+    def abandon_taken(self, handles: list, block_ids: list[int]) -> None:
+        """Hold `block_ids` (the sequence's table is about to be released) until `handles` are done with them."""
+        if not handles:
+            return
+        self.abandoned.append(AbandonedRead(handles, list(block_ids)))
+        for block_id in block_ids:
+            self.engine.block_manager.take(block_id)
+
     # ---- each step: progress of reads, leases past their time
     def poll(self) -> None:
         now = self.clock()
@@ -207,6 +259,7 @@ class KVConnector:
             self._last_expiry_check = now
         for load in list(self.loads):
             self._advance(load)
+        self.layered.advance_all()
         if self.abandoned:
             self._reap_abandoned()
 
@@ -253,10 +306,17 @@ class KVConnector:
         seq, decision = load.seq, load.decision
         first, last = decision.load_from_block, decision.load_to_block
         elapsed = time.perf_counter() - load.started
-        nbytes = len(load.local_ids) * self.engine.kv_cache.layout.block_bytes
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
-        steps = min(self.engine.step_seconds - load.steps_before, elapsed)
+        self.count_read(seq, elapsed, min(self.engine.step_seconds - load.steps_before, elapsed),
+                         len(load.local_ids))
+        self.engine.finish_loading(seq)
+        if decision.whole_prompt:
+            self.engine.append_token(seq, seq.remote.first_token_id)
+
+    def count_read(self, seq: Sequence, elapsed: float, steps: float, num_blocks: int) -> None:
+        """A read verified and taken: its time, bytes and tier, on the sequence and in the connector's stats."""
+        nbytes = num_blocks * self.engine.kv_cache.layout.block_bytes
         seq.timing.kv_read_s += elapsed
         seq.timing.kv_read_step_s += steps
         seq.timing.kv_read_bytes += nbytes
@@ -272,9 +332,6 @@ class KVConnector:
         stats.read_seconds_by_tier[seq.kv_tier] += elapsed
         stats.read_seconds.observe(elapsed)
         stats.read_bytes.observe(nbytes)
-        self.engine.finish_loading(seq)
-        if decision.whole_prompt:
-            self.engine.append_token(seq, seq.remote.first_token_id)
 
     def _fallback(self, load: PendingLoad, reason: str, in_flight: bool) -> None:
         """Reuse failed: recompute from the local prefix-cache hit. A read still in flight keeps its target
@@ -284,7 +341,7 @@ class KVConnector:
         self.decline(seq, reason)
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         if in_flight:
-            self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
+            self.abandoned.append(AbandonedRead([load.handle], list(load.local_ids)))
             first, last = load.decision.load_from_block, load.decision.load_to_block
             if blocks.num_free_blocks < last - first:
                 seq.block_table = seq.block_table[:first] + seq.block_table[last:]
@@ -295,18 +352,17 @@ class KVConnector:
         scheduler.finish_loading(seq)
 
     def on_abort(self, seq: Sequence) -> None:
-        for load in list(self.loads):
-            if load.seq is seq:
-                self.loads.remove(load)
-                self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
-                for block_id in load.local_ids:
-                    self.engine.block_manager.take(block_id)
+        for load in [load for load in self.loads if load.seq is seq]:
+            self.loads.remove(load)
+            self.abandon_taken([load.handle], load.local_ids)
+        self.layered.drop(seq)
 
     def _reap_abandoned(self) -> None:
         for read in list(self.abandoned):
-            if self.nixl.poll(read.handle) == IN_PROGRESS:
+            if any(self.nixl.poll(handle) == IN_PROGRESS for handle in read.handles):
                 continue
-            self.nixl.release(read.handle)
+            for handle in read.handles:
+                self.nixl.release(handle)
             self.engine.block_manager.release_all(read.block_ids)
             self.abandoned.remove(read)
 
@@ -330,6 +386,6 @@ class KVConnector:
                 hashes = hashes + [chain_hash(hashes[-1] if hashes else seq.hash_seed, tail)]
                 tokens = seq.num_computed_tokens
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
-                                   spec.release_after_read, first_token)
+                                   spec.release_after_read, first_token, spec.covered)
         if lease is not None:
             seq.retained = lease.to_public(self.clock())

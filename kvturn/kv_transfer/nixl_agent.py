@@ -174,13 +174,28 @@ class KVTransferAgent:
     def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
         """Read blocks `remote_ids` of the peer's `tier` (its pool, or its host tier) into our pool's `local_ids`."""
         peer = self.peers[engine_id]
+        pieces = self._pieces(peer, remote_ids, local_ids, tier)
+        return self._start(peer, [d for local, _ in pieces for d in local], [d for _, remote in pieces for d in remote])
+
+    def layer_reads(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
+        """The same read as start_block_read, in one transfer per layer: returns what posts layer l's (and returns
+        its handle), so that a step can compute layer l as soon as layer l has arrived."""
+        peer = self.peers[engine_id]
+        pieces = self._pieces(peer, remote_ids, local_ids, tier)
+        return lambda layer: self._start(peer, *pieces[layer])
+
+    def _pieces(self, peer: Peer, remote_ids: list[int], local_ids: list[int], tier: str) -> list[tuple[list, list]]:
+        """(local, remote) NIXL descriptors of a read, per layer: each layer's keys and values of each run of blocks
+        consecutive on both sides (the pool is layer-major: piece i of a run is layer i // 2)."""
         blocks_address, _ = peer.addresses(tier)
-        local, remote = [], []
+        layers = [([], []) for _ in range(self.layout.num_layers)]
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
-            local += [(address, nbytes, 0) for address, nbytes in self.kv_cache.run_regions(local_start, count)]
-            remote += [(address, nbytes, 0) for address, nbytes in
-                       peer.layout_of(tier).run_regions(blocks_address, remote_start, count)]
-        return self._start(peer, local, remote)
+            local = self.kv_cache.run_regions(local_start, count)
+            remote = peer.layout_of(tier).run_regions(blocks_address, remote_start, count)
+            for i, ((l_addr, l_len), (r_addr, r_len)) in enumerate(zip(local, remote)):
+                layers[i // 2][0].append((l_addr, l_len, 0))
+                layers[i // 2][1].append((r_addr, r_len, 0))
+        return layers
 
     def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
         """Read the peer's current epochs of `remote_ids` (of `tier`) into epoch_scratch[local_ids]."""

@@ -9,11 +9,12 @@ from kvturn.router.answers import DecodeAnswer
 from kvturn.router.conversations import Conversation
 from kvturn.router.first_token import FirstToken
 from kvturn.router.keys import message_size
+from kvturn.router.lease_check import LEASE_ENDED, still_held
 from kvturn.router.turn_backend import TurnBackend
 from kvturn.router.turn_costs import TurnCosts
 from kvturn.router.vllm_backend import KVTURN
 
-LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
+LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH, policy.LEASE_ENDED)  # D let it go
 NEW_PROMPT = {"do_remote_decode": True, "do_remote_prefill": False}  # P computes it all and pins it for D
 
 
@@ -22,11 +23,23 @@ class KvturnWorkers(TurnBackend):
         super().__init__(turn)
         self.costs = TurnCosts(turn)
         self.lease: dict | None = None  # the conversation's lease, handed to P until P fails with it
+        self.withdrawn = False  # D said it had let the lease go: not handed to P
 
     def choose_path(self) -> None:
         entry = self.turn.entry
         path = self.costs.choose().path
         self.lease = entry.kv_params if entry is not None and path == costmodel.PULL else None
+
+    async def verify_reuse(self, prefill_url: str) -> None:
+        """Ask D whether it still holds the lease (lease_check.py): one it let go is withdrawn, never handed to P."""
+        turn = self.turn
+        holder = turn.router.decode.find(turn.entry.decode_url) if self.lease is not None else None
+        if holder is None or holder.backend != KVTURN or turn.key is None:
+            return  # the secret goes only to a decode worker of our own rotation
+        handle = self.lease.get("handle") if isinstance(self.lease, dict) else None
+        if await turn.waiting(still_held(turn.router, holder.url, handle, turn.key)) is False:
+            self.lease, self.withdrawn = None, True
+            await turn.router.table.drop(turn.key)
 
     @property
     def computes_on_decode(self) -> bool:
@@ -60,13 +73,20 @@ class KvturnWorkers(TurnBackend):
         p_kvturn = turn.prefill.setdefault("kvturn", {})
         if missed_because and p_kvturn.get("reuse") is None:
             p_kvturn["reuse"] = missed_because  # the lease ended before this turn came
+        elif self.withdrawn and p_kvturn.get("reuse") is None:
+            p_kvturn["reuse"] = LEASE_ENDED
         reuse = p_kvturn.get("reuse")
         turn.router.metrics.reuse.labels(str(reuse)).inc()
         if turn.entry is not None and reuse in LEASE_GONE:
             await turn.router.table.drop(turn.key)  # nothing left to read there; keep no stale entry
 
     def decode_body(self) -> dict:
-        return {**self.turn.body, "kv_transfer_params": self.turn.prefill.get("kv_transfer_params")}
+        """P's params for D, with what P's own prefix cache held of the prompt (D weighs the lease it keeps by it)."""
+        kv = self.turn.prefill.get("kv_transfer_params")
+        cached = (self.turn.prefill.get("kvturn") or {}).get("prompt_tokens_cached")
+        if isinstance(kv, dict) and isinstance(cached, int) and cached >= 0:
+            kv = {**kv, "prefill_cached_tokens": cached}
+        return {**self.turn.body, "kv_transfer_params": kv}
 
     def first_token(self) -> FirstToken | None:
         turn = self.turn
@@ -133,6 +153,7 @@ class KvturnWorkers(TurnBackend):
                 "queue_ms": p_timing.get("queue_ms"),
                 "d_to_p_read_ms": p_timing.get("kv_read_ms"),
                 "d_to_p_read_step_ms": p_timing.get("kv_read_step_ms"),  # of it, P's steps for other prompts
+                "d_to_p_read_hidden_ms": p_timing.get("kv_read_hidden_ms"),  # of it, under P's own compute
                 "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),

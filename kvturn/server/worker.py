@@ -237,7 +237,8 @@ class Worker:
                              param="kv_transfer_params")
         elif self.config.bidirectional and conversation_key:
             retain = RetainSpec(self.config.connector.decoder_kv_blocks_ttl_s, conversation_key,
-                                release_after_read=False)
+                                release_after_read=False,
+                                covered=min(plan.prefill_cached_tokens / max(len(prompt), 1), 1.0))
         remote, declined, side_channel_s = None, None, 0.0
         reads_remote = plan.remote is not None and (self.config.bidirectional or not plan.prefill_for_remote_decode)
         if reads_remote:  # D->P reads need --bidirectional on this worker; P->D reads always happen
@@ -312,9 +313,10 @@ class Worker:
                 "ttft_ms": ttft * 1e3,
                 "kv_read_ms": t.kv_read_s * 1e3,
                 "kv_read_step_ms": t.kv_read_step_s * 1e3,  # of it, engine steps that ran before it was seen done
+                "kv_read_hidden_ms": t.kv_read_hidden_s * 1e3,  # of it, what its own step's compute covered
                 "prefill_compute_ms": t.prefill_compute_s * 1e3,
                 "prefill_shared_tokens": t.prefill_shared_tokens,
-                "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
+                "queue_ms": max(ttft - (t.kv_read_s - t.kv_read_hidden_s) - t.prefill_compute_s, 0.0) * 1e3,
                 "tokenize_ms": t.tokenize_s * 1e3,
                 "side_channel_ms": t.side_channel_s * 1e3,
                 "engine_wait_ms": ((t.first_scheduled or t.arrival) - (t.submitted or t.arrival)) * 1e3,
