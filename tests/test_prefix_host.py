@@ -192,8 +192,10 @@ def test_the_report_says_where_each_later_turns_prompt_came_from():
                       prompt_tokens_cached_prefill_host=400),
         RequestRecord("c", 0, 2, 5, 0.0, warmup=False, input_num_tokens=1000, prompt_tokens_cached_prefill=100,
                       prompt_tokens_from_decode=800, kv_tier="host"),
+        RequestRecord("c", 0, 3, 7, 0.0, warmup=False, input_num_tokens=1000, path="compute_on_decode",
+                      decode_tokens_computed=100),  # D computed the new tokens on the history it held
     ]
     sources = leg_sources(result)
-    assert sources["later_turns"] == 2
-    assert sources["tokens"] == {"P pool": 300, "P host": 400, "D pool": 0, "D host": 800, "computed": 500}
+    assert sources["later_turns"] == 3
+    assert sources["tokens"] == {"P pool": 300, "P host": 400, "D pool": 900, "D host": 800, "computed": 600}
     assert sources["turns_mostly_from"]["P host"] == 1 and sources["turns_mostly_from"]["D host"] == 1
