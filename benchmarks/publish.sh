@@ -12,7 +12,9 @@ run() {  # NAME COMMAND...: skipped unless named (or nothing named)
     local name=$1; shift
     if [ ${#SELECTED[@]} -gt 0 ] && [[ ! " ${SELECTED[*]} " =~ " $name " ]]; then return; fi
     echo "== $name: $*"
-    "$@" 2>&1 | sed "s#$HOME#~#g" | tee "$OUT/$name.log"  # the log names no one's home folder
+    # the machine's load beside the numbers (others may share its cores); the log names no one's home folder
+    { echo "uptime before: $(uptime)"; "$@" 2>&1; echo "uptime after: $(uptime)"; } | sed "s#$HOME#~#g" \
+        | tee "$OUT/$name.log"
 }
 SELECTED=("$@")
 
@@ -20,6 +22,9 @@ run sweep-8k-x3 $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-
     --legs pd/P-cache-off,bidir/P-cache-off --out "$OUT/sweep-8k-x3"
 run sweep-32k $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 32768 --repeats 3 \
     --legs pd/P-cache-off,bidir/P-cache-off --out "$OUT/sweep-32k"
+# P's prefix cache on, both pools at 64 MiB (eight 2-8k-token histories do not fit): retention under pressure
+run agent-loop-64m $PY -m kvturn.cli bench --compare --scenario agent-loop --legs pd/P-cache-on,bidir/P-cache-on \
+    --kv-cache-mb 64 --repeats 3 --out "$OUT/agent-loop-64m"
 run coding-agent-32k $PY -m kvturn.cli bench --compare --scenario coding-agent --max-prompt-tokens 32768 \
     --gap-scale 0.1 --legs pd/P-cache-off,bidir/P-cache-off,adaptive --out "$OUT/coding-agent-32k"
 run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max-prompt-tokens 8192 --gap-scale 0.1 \
@@ -27,6 +32,11 @@ run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max
 for tokens in 4000 16000 32000; do
     run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
 done
+# P's read of the history layer by layer beside its compute, against the read whole, over a 10 Gbit link between
+# network namespaces (UCX over TCP), each held to the summed and the overlapped ideal
+run read-overlap-10gbit $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 16384 \
+    --legs pd/P-cache-off,bidir/P-cache-off,bidir/P-cache-off/whole-read --hosts netns --link 10gbit:50us \
+    --out "$OUT/read-overlap-10gbit"
 # The answer grid: production scenario on 2P2D, P's cache on, across links and P-pool pressure (netns cells: root)
 run production-grid $PY benchmarks/production_grid.py --links shm,10gbit --pressures none,0.33 --repeats 1 \
     --sessions 12 --max-prompt-tokens 2048 --out "$OUT/production-grid"

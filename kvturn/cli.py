@@ -111,6 +111,7 @@ def worker(
     kv_lease_max_age_s: float = option(ConnectorConfig, "kv_lease_max_age_s"),
     side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
     kv_read_overlap: bool = option(ConnectorConfig, "kv_read_overlap", "--kv-read-overlap/--no-kv-read-overlap"),
+    kv_read_layer_wait_s: float = option(ConnectorConfig, "kv_read_layer_wait_s"),
     cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
     log_level: str = typer.Option("info"),
@@ -128,7 +129,7 @@ def worker(
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
                       retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
                       kv_lease_max_age_s=kv_lease_max_age_s, side_channel_timeout_s=side_channel_timeout_s,
-                      kv_read_overlap=kv_read_overlap, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
+                      kv_read_overlap=kv_read_overlap, kv_read_layer_wait_s=kv_read_layer_wait_s, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,
@@ -422,6 +423,7 @@ def bench(
             runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
                                           out_dir / "logs", console, source, sessions, pin_workers, layout)
             ideals = [comparison.ideal_speedup(run, model_dir, layout) for run in runs]
+            whole_read = [comparison.ideal_speedup(run, model_dir, layout, catalog.ON_LEGS[1]) for run in runs]
             link_measure = comparison.link_ideal(model_dir, layout)
             if link_measure:
                 console.print(comparison.link_text(link_measure))
@@ -430,7 +432,7 @@ def bench(
                                              request_rate=request_rate, warmup_turns=warmup_turns,
                                              max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
                                              ignore_eos=spec.ignore_eos))}]
-        ideals = [None]
+        ideals, whole_read = [None], [None]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
@@ -439,6 +441,9 @@ def bench(
     leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
     words = spread.verdict(leg_spreads, ratios, repeats) if repeats > 1 else report.verdict(summaries)
     console.print(words)
+    retention = report.retention_words(summaries)  # the first repeat's, with its counters
+    if retention:
+        console.print(retention)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
     title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned}; {layout.describe()})"
     if repeats > 1:
@@ -452,6 +457,8 @@ def bench(
         console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
     if answers:
         console.print(comparison.answers_text(answers))
+    if whole_read[0] and "ideal_speedup" in whole_read[0]:
+        report.print_ideal_table(whole_read[0]["by_length"], console, catalog.ON_LEGS[1])
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -483,9 +490,9 @@ def bench(
                           "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure,
                           "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
                           "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
-               "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words},
+               "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words, "retention": retention},
                "summaries": summaries, "prefix_sources": sources, "answers_equal": answers,
-               "ideal_speedup": ideal, "paths": paths_verdict,
+               "ideal_speedup": ideal, "ideal_speedup_whole_read": whole_read[0], "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
                "legs": {leg: result.to_json() for leg, result in results.items()},
@@ -497,13 +504,14 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, words, ideal_spread) + prefix_sources.markdown(sources))
+                                            ratios, " ".join(filter(None, (words, retention))), ideal_spread)
+                             + prefix_sources.markdown(sources))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
                                    "scenario": payload["description"]},
                                   splits={leg: report.ttft_split(result) for leg, result in results.items()},
-                                  words=words, spread_html=spread.html(leg_spreads, ratios, repeats),
+                                  words=" ".join(filter(None, (words, retention))), spread_html=spread.html(leg_spreads, ratios, repeats),
                                   sections=transcript.html_section(results, shown) if shown else "")
     console.print(f"JSON: {json_path}\nsummary: {summary_path}\nplots: {', '.join(str(p) for p in plots.values())}"
                   f"\nHTML report: {html_path}")

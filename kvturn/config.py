@@ -98,13 +98,16 @@ class ConnectorConfig:
     kv_read_overlap: bool = setting(True, "prefill reads a history layer by layer and computes each layer of the new "
                                           "tokens as soon as that layer has arrived (off: the whole read, then the "
                                           "compute)")
+    kv_read_layer_wait_s: float = setting(1.0, "longest a prefill step waits for one layer of a history read beside "
+                                               "it (the whole step waits), s; past it the read is given up and the "
+                                               "prompt recomputed")
     cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
     trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
 
     def __post_init__(self):
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
         _positive(self, "kv_read_timeout_s", "decoder_kv_blocks_ttl_s", "kv_pin_timeout_s", "retained_kv_budget_mb",
-                  "retained_host_mb", "kv_lease_max_age_s", "side_channel_timeout_s")
+                  "retained_host_mb", "kv_lease_max_age_s", "side_channel_timeout_s", "kv_read_layer_wait_s")
         _check(self.kv_expiry_margin_s >= 0, "kv_expiry_margin_s must be >= 0")
         _check(self.kv_expiry_margin_s < self.decoder_kv_blocks_ttl_s,
                "kv_expiry_margin_s must be below decoder_kv_blocks_ttl_s, or no retained block is ever read")

@@ -170,8 +170,9 @@ def test_the_ideal_speedup_is_taken_at_each_conversations_longest_prompt():
     pairs = longest_turns(off, on)
     assert [(r.conversation_id, r.turn, row["bytes_d_to_p"]) for r, row in pairs] == [
         ("short", 1, 1000 * 4096), ("long", 1, 8000 * 4096)]
-    row = ideal_row(*pairs[1], raw_read_ms=10.0)
+    row = ideal_row(*pairs[1], raw_read_ms=10.0, layers=4)
     assert row["ideal_speedup"] == 800 / 40 and row["measured_speedup"] == 801 / 50
+    assert row["overlapped_ideal_speedup"] == 800 / (30 + 10 / 4)  # the read beside the suffix, a layer's share left
     assert row["fraction_of_ideal"] == (801 / 50) / 20 and row["other_ms"] == 8.0 and row["tpot_on_ms"] == 9.0
 
 
@@ -242,3 +243,23 @@ def test_the_bench_refuses_a_bad_workload_file_with_a_usage_error(tmp_path, monk
     assert result.exit_code == 2, (result.output, result.exception)  # a usage error, before any stack starts
     said = " ".join(result.output.replace("│", " ").split())
     assert "bad.json" in said and message in said, result.output
+
+
+def test_the_report_says_what_decode_retained_gave_up_and_why_and_what_it_cost_others():
+    from kvturn.bench.report import retention_words
+    result = RunResult(runtime_s=1.0, worker_counters={
+        "decode": {'kvturn_kv_leases_total{event="created"}': 56.0, 'kvturn_kv_leases_total{event="reclaimed"}': 40.0,
+                   'kvturn_kv_retention_choices_total{reason="ended"}': 4.0,
+                   'kvturn_kv_retention_choices_total{reason="least_recent"}': 36.0,
+                   'kvturn_kv_retention_choices_total{reason="covered"}': 0.0,
+                   "kvturn_preemptions_total": 0.0, "kvturn_prompt_tokens_computed_total": 0.0},
+        "prefill": {'kvturn_kv_leases_total{event="reclaimed"}': 0.0,
+                    'kvturn_kv_reuse_declines_total{reason="lease_ended"}': 6.0,
+                    'kvturn_kv_reuse_declines_total{reason="epoch_mismatch"}': 1.0},
+        "router": {'kvturn_router_prefill_reuse_total{outcome="lease_ended"}': 38.0}})
+    summary = summarize("bidir/P-cache-on", result)
+    assert summary["retention"]["choices"] == {"ended": 4.0, "least_recent": 36.0}
+    assert retention_words([summary, summarize("pd/P-cache-on", RunResult(runtime_s=1.0))]) == (
+        "bidir/P-cache-on: decode retained 56 leases and gave up 40 under pressure (chosen as ended 4, least_recent "
+        "36); of the leases it had let go, the router withdrew 32 and prefill saw 6 before reading, 1 after; decode "
+        "preempted 0 requests and computed 0 prompt tokens itself; prefill let 0 pins go.")

@@ -10,6 +10,7 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import Sequence
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
+from kvturn.kv_transfer.layered_reads import LAYERS_IN_FLIGHT
 from kvturn.model.loader import load_model
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -109,24 +110,33 @@ class SlowLink:
     """Holds back what NIXL reports of a layered read, as a slow link would: layer l's transfer reads as in
     progress until `arrived` says it is in (the bytes themselves moved for real when it was posted)."""
 
-    def __init__(self, nixl, fail_layer: int | None = None):
-        self.nixl, self.fail_layer = nixl, fail_layer
+    def __init__(self, nixl, fail_layer: int | None = None, stuck_layer: int | None = None):
+        self.nixl, self.fail_layer, self.stuck_layer = nixl, fail_layer, stuck_layer
         self.layers: list = []  # handles of the layered read, in layer order
         self.arrived = 0
         self.looked_at: set = set()
+        self.posted_with: list[tuple[int, int]] = []  # (layer posted, layers arrived by then)
         self.computed_with: list[tuple[int, int]] = []  # (layer about to compute, layers arrived by then)
-        self._poll, self._start = nixl.poll, nixl.start_layer_reads
-        nixl.poll, nixl.start_layer_reads = self.poll, self.start_layer_reads
+        self._poll, self._layer_reads = nixl.poll, nixl.layer_reads
+        nixl.poll, nixl.layer_reads = self.poll, self.layer_reads
 
-    def start_layer_reads(self, *args):
-        self.layers = self._start(*args)
-        return self.layers
+    def layer_reads(self, *args):
+        post = self._layer_reads(*args)
+
+        def posted(layer):
+            handle = post(layer)
+            self.layers.append(handle)
+            self.posted_with.append((layer, self.arrived))
+            return handle
+        return posted
 
     def poll(self, handle):
         if handle in self.layers:
             layer = self.layers.index(handle)
             if layer == self.fail_layer:
                 return "ERR"
+            if layer == self.stuck_layer:
+                return "PROC"  # a peer that stopped mid-read
             if layer > self.arrived:
                 return "PROC"  # layers arrive in order...
             if handle not in self.looked_at:
@@ -160,6 +170,8 @@ def test_a_layered_read_computes_each_layer_once_it_has_arrived_and_not_after_al
     assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
     layers = prefill.engine.kv_cache.layout.num_layers
     first_step = link.computed_with[:layers]
+    assert [layer for layer, _ in link.posted_with] == list(range(layers))
+    assert all(layer < arrived + LAYERS_IN_FLIGHT for layer, arrived in link.posted_with)  # a window, not all at once
     assert all(arrived > layer for layer, arrived in first_step)  # never computed on a layer still on its way
     assert first_step[0][1] < layers  # layer 0 computed while later layers were still arriving
     assert seq.timing.kv_read_s > 0 and seq.num_remote_tokens == len(remote.block_ids) * 16
@@ -200,3 +212,13 @@ def test_with_overlap_off_the_history_is_read_whole_before_any_compute(model, re
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
     assert link.layers == [] and seq.timing.kv_read_hidden_s == 0
+
+
+def test_a_layer_that_never_arrives_holds_the_step_only_so_long_then_the_prompt_recomputes(pair, reference):
+    _, prefill, remote = pair
+    prefill.connector.config.kv_read_layer_wait_s = 0.2
+    SlowLink(prefill.connector.nixl, stuck_layer=2)
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "peer_unreachable" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+    assert prefill.connector.abandoned  # its blocks stay out of use while NIXL may still write them

@@ -79,7 +79,7 @@ def test_prompts_whose_history_was_read_join_a_step_only_up_to_the_pack_limit():
     from kvturn.engine.scheduler import Scheduler
     from kvturn.engine.sequence import Status
     scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
-                          max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+                          max_num_batched_tokens=4096, reclaim_retained=lambda _seq: False, prefill_pack_tokens=100)
     pulled = [Sequence(f"pulled-{i}", [3 + (i * 7 + t) % 50 for t in range(200)], GREEDY, remote=object())
               for i in range(3)]
 
@@ -103,7 +103,7 @@ def test_prompts_whose_history_was_read_join_a_step_only_up_to_the_pack_limit():
         ("pulled-0", 1), ("pulled-1", 1), ("pulled-2", 20)]
     # A single token left under the limit is a prompt's token too: the next prompt does not join for free.
     scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
-                          max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+                          max_num_batched_tokens=4096, reclaim_retained=lambda _seq: False, prefill_pack_tokens=100)
     going_on = Sequence("going-on", [3 + t % 50 for t in range(299)], GREEDY)
     scheduler.add(going_on)
     assert [n for _, n in scheduler.schedule(lambda seq, hashes: None)] == [299]
@@ -133,7 +133,7 @@ def test_a_prompt_whose_read_is_done_when_posted_computes_in_the_step_that_start
 
     for polled in (True, False):
         scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=8,
-                              max_num_batched_tokens=4096, reclaim_retained=lambda: False, prefill_pack_tokens=100)
+                              max_num_batched_tokens=4096, reclaim_retained=lambda _seq: False, prefill_pack_tokens=100)
         pulled = [Sequence(f"pulled-{i}", [3 + (i * 7 + t) % 50 for t in range(200)], GREEDY, remote=object())
                   for i in range(2)]
         for seq in (Sequence("local", [3 + t % 50 for t in range(60)], GREEDY), *pulled):
@@ -216,6 +216,9 @@ def test_start_up_calibration_times_what_the_pool_holds_within_its_budget(tiny_m
     from kvturn.engine import calibration
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=200))  # 3200 tokens: the 4096-token chain cannot fit
     free = llm.engine.block_manager.num_free_blocks
+    # a budget and a lock wait no loaded machine runs out of: which chains fit is what is checked here
+    monkeypatch.setattr(calibration, "BUDGET_S", 600.0)
+    monkeypatch.setattr(calibration, "LOCK_WAIT_S", 600.0)
     steps = calibration.time_prefill_steps(llm.engine)
     assert [(s["new_tokens"], s["context_tokens"]) for s in steps] == [(512, 0), (2048, 0), (256, 2048)]
     assert all(s["ms"] > 0 for s in steps) and llm.engine.block_manager.num_free_blocks == free

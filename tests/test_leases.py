@@ -67,3 +67,14 @@ def test_pressure_takes_leases_but_never_a_pin_a_decode_worker_is_about_to_read(
     assert leases.lookup(lease.handle, "conv-a") is None and leases.lookup(pin.handle, "p-request-1") is pin
     assert not leases.reclaim_oldest()  # only the pin is left: the pool's caller waits for D's read instead
     assert leases.counts["reclaimed"] == 1 and leases.retained_blocks == 2
+
+
+def test_a_tenant_within_its_share_keeps_its_retained_kv_however_much_another_tenant_retains():
+    bm, leases = table(blocks=64, budget=20)  # two tenants: a share of 10 blocks each
+    kept = retain(bm, leases, 8, "tenant-a:conv-1")
+    for i, size in enumerate((8, 8, 12, 14)):  # tenant b's turns reclaim b's own leases, then its own new one
+        retain(bm, leases, size, f"tenant-b:conv-{i}")
+        assert leases.lookup(kept.handle, "tenant-a:conv-1") is kept
+        assert leases.retained_blocks <= 20
+    assert leases.choices["least_recent"] == 2 and leases.choices["over_share"] == 2  # b beyond its share: its own go
+    assert leases.blocks_in("pool") == 8  # b's 14 blocks were more than its share: they went themselves

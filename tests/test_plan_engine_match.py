@@ -33,7 +33,7 @@ def engine_prompt_steps(limits: dict) -> list[tuple]:
     """Each step with prompt tokens in it, as the engine's Scheduler makes it: (steps with decodes before it, (name,
     tokens) of each prompt, decodes beside). The first request arrives alone, the others while its first step runs."""
     scheduler = Scheduler(BlockManager(4096, BLOCK, enable_prefix_caching=False), limits["max_num_seqs"],
-                          limits["max_num_batched_tokens"], reclaim_retained=lambda: False,
+                          limits["max_num_batched_tokens"], reclaim_retained=lambda _seq: False,
                           prefill_pack_tokens=limits["prefill_pack_tokens"])
     sequences = [Sequence(name, [1000 * i + t for t in range(prompt)], SamplingParams(max_tokens=out))
                  for i, (name, prompt, out) in enumerate(REQUESTS)]

@@ -1,17 +1,25 @@
 """The prefix cache's host tier: blocks the pool evicts are kept in a host region and copied back on a later prefix
-hit with output equal to a recompute; the region drops its least recently used block first; a slot recycled or
-holding another hash is not restored; a worker started with --prefix-host-mb serves a turn from it, counted."""
+hit with output equal to a recompute, and a decode worker reads them from P over NIXL; the region drops its least
+recently used block first; a slot recycled or holding another hash is not restored; a worker started with
+--prefix-host-mb serves a turn from it, counted."""
+import time
+
 import httpx
 import pytest
 import torch
 
 from kvturn import launch
-from kvturn.config import ConfigError, EngineConfig
+from kvturn.config import ConfigError, ConnectorConfig, EngineConfig
 from kvturn.engine.block_manager import block_hashes
 from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.engine.llm import LLM
+from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.prefix_host import EPOCH_MISMATCH, HASH_MISMATCH, HostHit, PrefixHostTier
 from kvturn.engine.sampling import SamplingParams
+from kvturn.engine.sequence import Sequence
+from kvturn.kv_transfer.connector import KVConnector, RetainSpec
+from kvturn.kv_transfer.side_channel import parse_lease
+from kvturn.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 HISTORY = [3 + (i * 37) % 3000 for i in range(100)]
@@ -107,6 +115,42 @@ def test_tenants_salts_keep_their_host_blocks_apart():
     assert tier.lookup(tokens, block_hashes(tokens, 4, seed=2), 0, 4) == []
 
 
+def test_a_decode_worker_reads_the_blocks_p_restored_from_its_host_tier_over_nixl(tiny_model_dir):
+    """P's prompt blocks copied back from its host tier are real KV: D reads them (P->D) and answers as a recompute."""
+    model = load_model(tiny_model_dir)
+
+    def node(**settings):
+        engine = LLMEngine(model, EngineConfig(**settings), emit=lambda out: None, detokenize=lambda ids: "",
+                           eos_token_ids=set())
+        return engine, KVConnector(engine, ConnectorConfig(kv_recompute_threshold_tokens=16))
+
+    def run(engine, seq):
+        engine.add_request(seq)
+        deadline = time.monotonic() + 60
+        while seq.request_id in engine.sequences and time.monotonic() < deadline:
+            if not engine.step():
+                time.sleep(0.001)
+        assert seq.finish_reason is not None
+        return seq
+
+    prefill, prefill_kv = node(num_kv_blocks=16, prefix_host_mb=1)
+    decode, decode_kv = node(num_kv_blocks=64)
+    first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    run(prefill, Sequence("turn1", HISTORY, first_token))
+    run(prefill, Sequence("other", OTHER, first_token))  # the history moves to P's host tier
+    prompt = HISTORY + [7, 8, 9]
+    pinned = run(prefill, Sequence("turn2", prompt, first_token, retain=RetainSpec(30, "conv", True)))
+    assert pinned.num_host_cached_tokens >= 5 * 16
+    peer = decode_kv.nixl.add_peer(prefill_kv.nixl.local_info())
+    handle = pinned.retained["handle"]
+    remote = parse_lease(prefill_kv.leases.acquire(handle, "conv"), peer, handle, 16, 4096, decode_kv.clock())
+    remote.prefilled_for_us = True
+    seq = run(decode, Sequence("decode", prompt, GREEDY, remote=remote))
+    assert seq.reuse_outcome == "reused" and seq.num_remote_tokens >= 6 * 16
+    expected = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=16, enable_prefix_caching=False))
+    assert seq.output_token_ids == expected.generate([prompt], GREEDY)[0]
+
+
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, tmp_path_factory):
     port = launch.free_port()
@@ -148,8 +192,10 @@ def test_the_report_says_where_each_later_turns_prompt_came_from():
                       prompt_tokens_cached_prefill_host=400),
         RequestRecord("c", 0, 2, 5, 0.0, warmup=False, input_num_tokens=1000, prompt_tokens_cached_prefill=100,
                       prompt_tokens_from_decode=800, kv_tier="host"),
+        RequestRecord("c", 0, 3, 7, 0.0, warmup=False, input_num_tokens=1000, path="compute_on_decode",
+                      decode_tokens_computed=100),  # D computed the new tokens on the history it held
     ]
     sources = leg_sources(result)
-    assert sources["later_turns"] == 2
-    assert sources["tokens"] == {"P pool": 300, "P host": 400, "D pool": 0, "D host": 800, "computed": 500}
+    assert sources["later_turns"] == 3
+    assert sources["tokens"] == {"P pool": 300, "P host": 400, "D pool": 900, "D host": 800, "computed": 600}
     assert sources["turns_mostly_from"]["P host"] == 1 and sources["turns_mostly_from"]["D host"] == 1

@@ -55,6 +55,12 @@ LEGS |= {
     "bidir/D-host": Leg("bidir/D-host", "pd", True, True, decode_args=("--retained-host-mb", TIER_HOST_MB)),
 }
 
+# P's read of the history as one transfer before its compute, against the default (layer by layer beside it): what
+# hiding the read behind the compute is worth over a slow link (--hosts netns --link ...)
+LEGS["bidir/P-cache-off/whole-read"] = Leg("bidir/P-cache-off/whole-read", "pd", True, False,
+                                           prefill_args=("--no-kv-read-overlap",))
+ON_LEGS = ("bidir/P-cache-off", "bidir/P-cache-off/whole-read")  # held to the ideal against pd/P-cache-off
+
 
 # The production scenario's legs: P's prefix cache on in each, and P's cache with a host tier at equal memory where
 # this build has that leg (pd/P-cache-host)

@@ -44,6 +44,7 @@ class RequestRecord:
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
     d_to_p_read_step_ms: float | None = None  # of it, P's engine steps for other prompts before it was seen done
+    d_to_p_read_hidden_ms: float | None = None  # of it, what P's compute of the turn's own tokens covered
     p_to_d_read_ms: float | None = None
     prefill_request_ms: float | None = None  # the router's round trip to P
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
@@ -78,6 +79,8 @@ class RequestRecord:
         """A part of the time to first token, ms: D's read and compute are not in it when P's token went ahead."""
         if part in ("p_to_d_read_ms", "decode_compute_ms") and self.first_token_from == "prefill":
             return 0.0
+        if part == "d_to_p_read_ms":  # read layer by layer, its hidden part is inside the compute's time
+            return max((self.d_to_p_read_ms or 0.0) - (self.d_to_p_read_hidden_ms or 0.0), 0.0)
         return getattr(self, part) or 0.0
 
 
@@ -104,12 +107,14 @@ class RunResult:
     transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
     # with --hosts netns: bytes each host's link carried during the run, into and out of its namespace
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # role -> its worker's retention counters at the end of the run (compare.worker_counters), when the bench launched it
+    worker_counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
                 "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
-                "transcript": self.transcript, "link_bytes": self.link_bytes}
+                "transcript": self.transcript, "link_bytes": self.link_bytes, "worker_counters": self.worker_counters}
 
 
 class RateLimiter:
@@ -234,6 +239,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
         record.d_to_p_read_step_ms = timing.get("d_to_p_read_step_ms")
+        record.d_to_p_read_hidden_ms = timing.get("d_to_p_read_hidden_ms")
         record.p_to_d_read_ms = timing.get("p_to_d_read_ms")
         record.prefill_request_ms = timing.get("prefill_request_ms")
         record.decode_ttft_ms = timing.get("decode_ttft_ms")

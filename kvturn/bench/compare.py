@@ -52,6 +52,33 @@ def worker_calibration(stack: LocalStack) -> dict[str, list]:
     return steps
 
 
+# What a worker's /metrics says of retention under pressure, kept per leg (report.retention_words)
+COUNTERS = ("kvturn_kv_leases_total", "kvturn_kv_retention_choices_total", "kvturn_preemptions_total",
+            "kvturn_prompt_tokens_computed_total", "kvturn_kv_reuse_declines_total", "kvturn_kv_tier_moves_total")
+
+
+def worker_counters(stack: LocalStack) -> dict[str, dict[str, float]]:
+    """The retention counters (COUNTERS, by `name{labels}`) of each role's workers, summed; the routers' reuse
+    outcomes too."""
+    counters: dict[str, dict[str, float]] = {}
+    for name, url in stack.urls.items():
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+        except httpx.HTTPError:
+            continue
+        role = name.rstrip("0123456789")
+        wanted = COUNTERS + (("kvturn_router_prefill_reuse_total",) if role == "router" else ())
+        into = counters.setdefault(role, {})
+        for line in text.splitlines():
+            metric, _, value = line.rpartition(" ")
+            if metric.split("{")[0] in wanted:
+                try:
+                    into[metric] = into.get(metric, 0.0) + float(value)
+                except ValueError:
+                    pass
+    return counters
+
+
 def worker_steps(stack: LocalStack, since_s: float) -> tuple[dict[str, list], list[str]]:
     """Each worker's forward steps since `since_s` (GET /kv/steps), by role, for `kvturn plan` to fit its step costs
     to; and the workers left out, which did not answer or dropped steps of the span (raise --step-history-steps)."""
@@ -111,6 +138,7 @@ def run_leg(model_dir: str, name: str, scenario: Scenario, conversations, seed: 
                              for host in after}
         result.worker_calibration = worker_calibration(stack)
         result.worker_steps, missing = worker_steps(stack, started_s)
+        result.worker_counters = worker_counters(stack)
         if missing:
             console.print(f"  [yellow]no steps kept from {', '.join(missing)}: kvturn plan cannot calibrate "
                           f"from this leg[/yellow]")
@@ -220,11 +248,13 @@ def link_text(measure: dict) -> str:
                + ("applied (netem)" if measure.get("delay_applied") else "NOT applied: this kernel has no netem")))
 
 
-def ideal_speedup(results: dict, model_dir: str, layout: Layout = Layout()) -> dict | None:
+def ideal_speedup(results: dict, model_dir: str, layout: Layout = Layout(),
+                  on_leg: str = "bidir/P-cache-off") -> dict | None:
     """Full prefill / (suffix-only prefill + raw NIXL read of its KV), measured in this run, and how close the
     measured TTFT(OFF) / TTFT(ON) came to it (prefix caching off on P in both), at each conversation's longest prompt
-    (`by_length`, shortest first); the headline fields are the longest prompt's."""
-    off, on = results.get("pd/P-cache-off"), results.get("bidir/P-cache-off")
+    (`by_length`, shortest first); the headline fields are the longest prompt's. Beside it the overlapped ideal, where
+    the read runs layer by layer beside the suffix's compute: full / (max(suffix, read) + min(suffix, read) / layers)."""
+    off, on = results.get("pd/P-cache-off"), results.get(on_leg)
     if off is None or on is None:
         return None
     pairs = longest_turns(off, on)
@@ -233,10 +263,12 @@ def ideal_speedup(results: dict, model_dir: str, layout: Layout = Layout()) -> d
     reused = [(off_row, on_row) for off_row, on_row in pairs if on_row is not None and on_row["bytes_d_to_p"]]
     if not reused or reused[-1][0] is not pairs[-1][0]:
         return {"note": "the ON leg did not reuse KV at the longest prompt", "on": pairs[-1][1]}
+    from kvturn.model.config import ModelConfig
+    layers = ModelConfig.from_dir(model_dir).num_hidden_layers
     with read_bench(model_dir, max(on_row["bytes_d_to_p"] for _, on_row in reused) // 2**20 + 2, layout) as bench:
-        rows = [ideal_row(off_row, on_row, bench.raw_read_s(on_row["bytes_d_to_p"], repeats=7) * 1e3)
+        rows = [ideal_row(off_row, on_row, bench.raw_read_s(on_row["bytes_d_to_p"], repeats=7) * 1e3, layers)
                 for off_row, on_row in reused]
-    return {**rows[-1], "by_length": rows}
+    return {**rows[-1], "on_leg": on_leg, "by_length": rows}
 
 
 def longest_turns(off, on) -> list[tuple]:
@@ -249,16 +281,19 @@ def longest_turns(off, on) -> list[tuple]:
     return sorted(pairs, key=lambda pair: pair[0].input_num_tokens)
 
 
-def ideal_row(off_row, on_row: dict, raw_read_ms: float) -> dict:
+def ideal_row(off_row, on_row: dict, raw_read_ms: float, layers: int) -> dict:
     full_ms, suffix_ms = off_row.prefill_compute_ms, on_row["prefill_compute_ms"]
     ideal = full_ms / (suffix_ms + raw_read_ms)
+    overlapped = full_ms / (max(suffix_ms, raw_read_ms) + min(suffix_ms, raw_read_ms) / layers)
     measured = off_row.ttft_ms / on_row["ttft_ms"]
     return {"prompt_tokens": off_row.input_num_tokens, "conversation_id": off_row.conversation_id,
             "turn": off_row.turn, "full_prefill_ms": full_ms, "suffix_prefill_ms": suffix_ms,
             "kv_bytes": on_row["bytes_d_to_p"], "raw_nixl_read_ms": raw_read_ms, "d_to_p_read_ms":
             on_row["d_to_p_read_ms"], "ideal_speedup": ideal, "ttft_off_ms": off_row.ttft_ms,
             "ttft_on_ms": on_row["ttft_ms"], "measured_speedup": measured, "other_ms": on_row["other_ms"],
-            "fraction_of_ideal": measured / ideal, "tpot_off_ms": off_row.tpot_ms, "tpot_on_ms": on_row["tpot_ms"]}
+            "fraction_of_ideal": measured / ideal, "overlapped_ideal_speedup": overlapped,
+            "fraction_of_overlapped_ideal": measured / overlapped, "d_to_p_read_hidden_ms": on_row.get("d_to_p_read_hidden_ms"),
+            "tpot_off_ms": off_row.tpot_ms, "tpot_on_ms": on_row["tpot_ms"]}
 
 
 def answers_equal(results: dict) -> dict | None:

@@ -7,7 +7,12 @@ SOURCES = ("P pool", "P host", "D pool", "D host", "computed")
 
 
 def turn_sources(record) -> dict[str, int]:
-    """One turn's prompt tokens by where their KV came from."""
+    """One turn's prompt tokens by where their KV came from: P's account, or D's on the compute-on-decode path (D
+    computed the new tokens on the history it held)."""
+    if record.path == "compute_on_decode" and record.decode_tokens_computed is not None:
+        computed = min(record.decode_tokens_computed, record.input_num_tokens or 0)
+        return {"P pool": 0, "P host": 0, "D pool": (record.input_num_tokens or 0) - computed, "D host": 0,
+                "computed": computed}
     cached = record.prompt_tokens_cached_prefill or 0
     from_host = record.prompt_tokens_cached_prefill_host or 0
     from_decode = record.prompt_tokens_from_decode or 0

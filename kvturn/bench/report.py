@@ -51,7 +51,51 @@ def summarize(name: str, result: RunResult) -> dict:
         "link_bytes": result.link_bytes,
         "peak_retained_kv_bytes": max((b for _, b in result.retained_kv), default=0.0),
         "mean_retained_kv_bytes": float(np.mean([b for _, b in result.retained_kv])) if result.retained_kv else 0.0,
+        "retention": retention_summary(result.worker_counters),
     }
+
+
+def labelled(counters: dict[str, float], name: str) -> dict[str, float]:
+    """label value -> count of counter `name` with one label (`name{label="value"}`)."""
+    prefix = name + "{"
+    return {key[len(prefix):].split('"')[1]: value for key, value in counters.items() if key.startswith(prefix)}
+
+
+def retention_summary(workers: dict[str, dict[str, float]]) -> dict | None:
+    """What the decode workers retained and gave up under pressure, why, and what it cost others: leases by event,
+    the reasons leases were chosen to go, decode preemptions and prompt tokens decode computed itself, prefill pins
+    let go, and leases let go that the router withdrew, that prefill saw before reading (both `lease_ended`) or after
+    (`epoch_mismatch`). None without the workers' counters."""
+    decode, prefill, router = (workers.get(role, {}) for role in ("decode", "prefill", "router"))
+    if not decode:
+        return None
+    return {"leases": labelled(decode, "kvturn_kv_leases_total"),
+            "choices": {k: v for k, v in labelled(decode, "kvturn_kv_retention_choices_total").items() if v},
+            "decode_preemptions": decode.get("kvturn_preemptions_total", 0.0),
+            "decode_prompt_tokens_computed": decode.get("kvturn_prompt_tokens_computed_total", 0.0),
+            "prefill_pins_reclaimed": labelled(prefill, "kvturn_kv_leases_total").get("reclaimed", 0.0),
+            "lease_ended": labelled(router, "kvturn_router_prefill_reuse_total").get("lease_ended", 0.0),
+            "lease_ended_seen_by_prefill": labelled(prefill, "kvturn_kv_reuse_declines_total").get("lease_ended", 0.0),
+            "epoch_mismatch": labelled(prefill, "kvturn_kv_reuse_declines_total").get("epoch_mismatch", 0.0)}
+
+
+def retention_words(summaries: list[dict]) -> str:
+    """Each leg's retention under pressure in a sentence (legs whose decode workers retained nothing are left out)."""
+    words = []
+    for s in summaries:
+        r = s.get("retention")
+        if not r or not r["leases"].get("created"):
+            continue
+        leases = r["leases"]
+        why = ", ".join(f"{reason} {count:.0f}" for reason, count in sorted(r["choices"].items())) or "none"
+        words.append(f"{s['leg']}: decode retained {leases.get('created', 0):.0f} leases and gave up "
+                     f"{leases.get('reclaimed', 0):.0f} under pressure (chosen as {why}); of the leases it had let "
+                     f"go, the router withdrew {r['lease_ended'] - r['lease_ended_seen_by_prefill']:.0f} and "
+                     f"prefill saw {r['lease_ended_seen_by_prefill']:.0f} before reading, "
+                     f"{r['epoch_mismatch']:.0f} after; decode preempted {r['decode_preemptions']:.0f} "
+                     f"requests and computed {r['decode_prompt_tokens_computed']:.0f} prompt tokens itself; prefill "
+                     f"let {r['prefill_pins_reclaimed']:.0f} pins go.")
+    return " ".join(words)
 
 
 def _share_within(records, tolerance: float) -> float | None:
@@ -67,6 +111,7 @@ def ttft_at(result: RunResult, conversation_id: str, turn: int) -> dict | None:
         if r.conversation_id == conversation_id and r.turn == turn and r.error is None:
             return {"ttft_ms": r.ttft_ms, "input_num_tokens": r.input_num_tokens, "reuse": r.reuse,
                     "prefill_compute_ms": r.prefill_compute_ms, "d_to_p_read_ms": r.d_to_p_read_ms,
+                    "d_to_p_read_hidden_ms": r.d_to_p_read_hidden_ms,
                     "p_to_d_read_ms": r.p_to_d_read_ms, "bytes_d_to_p": r.bytes_d_to_p, "other_ms": r.other_ms,
                     "tpot_ms": r.tpot_ms}
     return None
@@ -98,18 +143,22 @@ def print_table(summaries: list[dict], title: str, console: Console | None = Non
     console.print(table)
 
 
-def print_ideal_table(rows: list[dict], console: Console | None = None) -> None:
+def print_ideal_table(rows: list[dict], console: Console | None = None, on_leg: str = "bidir/P-cache-off") -> None:
     """Each conversation's longest prompt: TTFT with and without reading the history back against the ideal speedup
-    (full prefill / (suffix prefill + raw NIXL read)), the ON turn's time outside compute and transfer, and TPOT."""
-    table = Table(title="P-cache-off, each conversation's longest prompt: pd (OFF) against bidir (ON)")
-    for col in ("prompt tokens", "TTFT OFF", "TTFT ON", "speedup", "ideal", "measured/ideal", "suffix prefill",
-                "D->P read", "raw read", "other (ON)", "TPOT OFF", "TPOT ON"):
+    (full prefill / (suffix prefill + raw NIXL read)) and the overlapped one (the read beside the suffix's compute,
+    layer by layer), the ON turn's time outside compute and transfer, and TPOT."""
+    table = Table(title=f"P-cache-off, each conversation's longest prompt: pd (OFF) against {on_leg} (ON)")
+    for col in ("prompt tokens", "TTFT OFF", "TTFT ON", "speedup", "ideal summed", "/summed", "ideal overlapped",
+                "/overlapped", "suffix prefill", "D->P read", "of it hidden", "raw read", "other (ON)", "TPOT OFF",
+                "TPOT ON"):
         table.add_column(col, justify="right")
     ms = lambda value, digits=0: "-" if value is None else f"{value:.{digits}f} ms"  # noqa: E731
     for r in rows:
         table.add_row(str(r["prompt_tokens"]), ms(r["ttft_off_ms"]), ms(r["ttft_on_ms"]), f"{r['measured_speedup']:.1f}x",
-                      f"{r['ideal_speedup']:.1f}x", f"{r['fraction_of_ideal']:.0%}", ms(r["suffix_prefill_ms"]),
-                      ms(r["d_to_p_read_ms"], 1), ms(r["raw_nixl_read_ms"], 1), ms(r["other_ms"], 1),
+                      f"{r['ideal_speedup']:.1f}x", f"{r['fraction_of_ideal']:.0%}",
+                      f"{r['overlapped_ideal_speedup']:.1f}x", f"{r['fraction_of_overlapped_ideal']:.0%}",
+                      ms(r["suffix_prefill_ms"]), ms(r["d_to_p_read_ms"], 1), ms(r.get("d_to_p_read_hidden_ms"), 1),
+                      ms(r["raw_nixl_read_ms"], 1), ms(r["other_ms"], 1),
                       ms(r["tpot_off_ms"], 1), ms(r["tpot_on_ms"], 1))
     (console or Console()).print(table)
 

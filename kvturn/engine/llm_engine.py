@@ -36,9 +36,10 @@ class RequestOutput:
 
 
 class Connector(Protocol):
-    """What the engine asks of a KV connector; every call comes on the engine thread."""
-    leases: object  # reclaim_oldest() frees retained blocks before anyone is preempted
+    """What the engine asks of a KV connector; every call comes on the engine thread. `reclaim_for` frees retained
+    blocks for a sequence short of them, before it waits or anyone is preempted."""
 
+    def reclaim_for(self, seq: Sequence) -> bool: ...
     def on_admit(self, seq: Sequence, full_hashes: list[int]) -> None: ...
     def poll(self) -> None: ...
     def on_finish(self, seq: Sequence) -> None: ...
@@ -222,8 +223,8 @@ class LLMEngine:
         stats.prompt_tokens_remote += seq.num_remote_tokens
         stats.prompt_tokens_computed += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens
 
-    def _reclaim_retained(self) -> bool:
-        return bool(self.connector) and self.connector.leases.reclaim_oldest()
+    def _reclaim_retained(self, seq: Sequence) -> bool:
+        return bool(self.connector) and self.connector.reclaim_for(seq)
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """Give each newly completed block its chained hash so the prefix cache and leases can name it."""

@@ -38,7 +38,7 @@ class _Step:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaim_retained: Callable[[], bool], prefill_pack_tokens: int | None = None,
+                 reclaim_retained: Callable[[Sequence], bool], prefill_pack_tokens: int | None = None,
                  prefix_host: PrefixHostTier | None = None, on_preempt: Callable[[Sequence], None] | None = None):
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -125,7 +125,7 @@ class Scheduler:
             revived = sum(1 for b in hit if bm.blocks[b].ref_count == 0)
             if bm.num_free_blocks - revived >= total_blocks - len(hit):
                 break
-            if not self.reclaim_retained():
+            if not self.reclaim_retained(seq):
                 return None
         for block_id in hit:
             bm.take(block_id)
@@ -152,7 +152,7 @@ class Scheduler:
         bm = self.block_manager
         needed = seq.blocks_needed(self.block_size, num_tokens) - len(seq.block_table)
         while needed > bm.num_free_blocks:
-            if self.reclaim_retained():
+            if self.reclaim_retained(seq):
                 continue
             victim = self.running[-1]
             self.preempt(victim)

@@ -20,15 +20,16 @@ from kvturn.engine.block_manager import chain_hash
 from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.scheduler import reusable_blocks
 from kvturn.engine.sequence import Sequence, Status
-from kvturn.kv_transfer import policy
+from kvturn.kv_transfer import policy, retention
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
-from kvturn.kv_transfer.layered_reads import LayeredRead, LayerWait, advance, verify
+from kvturn.kv_transfer.layered_reads import AbandonedRead, LayeredReads, LayerWait
 from kvturn.kv_transfer.leases import LeaseTable
-from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent, PartlyPosted
+from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 from kvturn.kv_transfer.params import HOST, POOL
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_S = 0.01  # the engine thread waits this long at most for a lease's epochs before reading it
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class RetainSpec:
     ttl_s: float
     conversation_key: str
     release_after_read: bool  # P's pin for one decode; D's lease stays readable until it expires
+    covered: float = 0.0  # fraction of the prompt P's prefix cache held (retention.py weighs the lease by it)
 
 
 @dataclass(slots=True)
@@ -84,13 +86,6 @@ class PendingLoad:
     reading_epochs: bool = False
 
 
-@dataclass(slots=True)
-class AbandonedRead:
-    """A read we gave up on: its target blocks stay held until NIXL is done with every transfer of it."""
-    handles: list
-    block_ids: list[int]
-
-
 class KVConnector:
     def __init__(self, engine: LLMEngine, config: ConnectorConfig, clock=time.monotonic):
         """`clock`: this worker's own (monotonic) seconds, on which every lease deadline here is set."""
@@ -109,7 +104,7 @@ class KVConnector:
                                     prefix_host=engine.prefix_host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
-        self.layered: list[LayeredRead] = []  # reads posted layer by layer, their sequences running (layered_reads.py)
+        self.layered = LayeredReads(self)  # reads posted layer by layer, their sequences running
         self.abandoned: list[AbandonedRead] = []
         self._last_expiry_check = 0.0
         engine.attach_connector(self)
@@ -124,6 +119,13 @@ class KVConnector:
     @property
     def waiting_on_reads(self) -> bool:
         return bool(self.loads)
+
+    def reclaim_for(self, seq: Sequence) -> bool:
+        """The pool is short of blocks for `seq`: give up a retained lease (retention.py chooses which, for the
+        tenant of `seq`'s conversation); False if none may go."""
+        spec = seq.retain
+        tenant = retention.tenant_of(spec.conversation_key) if spec and not spec.release_after_read else None
+        return self.leases.reclaim_oldest(tenant)
 
     def decline(self, seq: Sequence, reason: str) -> None:
         seq.reuse_outcome = reason
@@ -149,8 +151,10 @@ class KVConnector:
         decision = policy.decide(prompt, view, self.block_size, threshold, self.config.kv_expiry_margin_s)
         if not decision.loads:
             self.decline(seq, decision.reason)
+        elif not remote.prefilled_for_us and self._lease_let_go(seq, decision):
+            self.decline(seq, policy.LEASE_ENDED)
         elif self._overlaps(seq, decision):
-            self._start_layered_read(seq, decision)
+            self.layered.start(seq, decision)
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
@@ -188,6 +192,27 @@ class KVConnector:
         self.stats.host_restore_seconds += elapsed
         self.engine.publish_full_blocks(seq)
 
+    def _lease_let_go(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """Before reading a peer's lease (not P's pin, which is never let go under pressure): read back the epochs of
+        the blocks wanted, a few bytes, and skip the read if the holder has let them go since its record was made
+        (under pressure, while this prompt waited in our queue). False when that cannot be told within
+        PROBE_WAIT_S: the read then goes ahead and its own epoch check decides."""
+        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
+        local_ids = seq.block_table[first:last]
+        try:
+            handle = self.nixl.start_epoch_read(remote.peer_engine_id, remote.block_ids[first:last], local_ids,
+                                                remote.tier)
+        except Exception:
+            return False
+        waited_until = time.perf_counter() + PROBE_WAIT_S
+        while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
+            time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
+        if state == IN_PROGRESS:
+            self.abandoned.append(AbandonedRead([handle], []))  # lands in the scratch epochs only; reaped later
+            return False
+        self.nixl.release(handle)
+        return state == DONE and self.nixl.scratch_epochs(local_ids) != remote.block_epochs[first:last]
+
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
         local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
@@ -209,94 +234,16 @@ class KVConnector:
         return (self.config.kv_read_overlap and not decision.whole_prompt and not remote.prefilled_for_us
                 and remote.first_token_id is None)
 
-    def _start_layered_read(self, seq: Sequence, decision: policy.ReuseDecision) -> None:
-        """Post the read a layer at a time and let the sequence run: its step waits for each layer as it gets
-        there (the LayerWait of layer_waiter), and counts nothing before step_done has verified the read."""
-        remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block
-        local_ids, remote_ids = seq.block_table[first:last], remote.block_ids[first:last]
-        started, failed = time.perf_counter(), None
-        try:
-            handles = self.nixl.start_layer_reads(remote.peer_engine_id, remote_ids, local_ids, remote.tier)
-        except PartlyPosted as exc:
-            log.warning("a layered KV read from %s failed part way through its posts", remote.peer_engine_id)
-            handles, failed = exc.handles, policy.READ_FAILED  # recomputes when its step ends, as a failed read
-        except Exception:
-            log.warning("starting a KV read from %s failed", remote.peer_engine_id, exc_info=True)
-            self.decline(seq, policy.READ_FAILED)
-            return
-        self.layered.append(LayeredRead(seq, handles, local_ids, remote_ids, decision, started,
-                                        self.clock() + self.config.kv_read_timeout_s, self.engine.step_seconds,
-                                        failed=failed))
-        seq.num_computed_tokens = last * self.block_size
-
     def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
-        """What the step's forward pass calls before each layer, when the step computes a layered read's tokens."""
-        if not self.layered:
-            return None
-        in_step = {id(seq) for seq, _ in batch}
-        reads = [read for read in self.layered if id(read.seq) in in_step]
-        for read in reads:
-            if read.first_step_at is None:
-                read.steps_before_first = min(self.engine.step_seconds - read.steps_before,
-                                              time.perf_counter() - read.started)
-        return LayerWait(reads, self.nixl, self.clock) if reads else None
+        return self.layered.waiter(batch)
 
     def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
-        """After a step's forward pass: verify the layered reads it computed on. Returns the sequences whose read
-        failed: nothing of this step counts for them, they recompute from their local prefix-cache hit."""
-        if not self.layered:
-            return set()
-        in_step, rejected = {id(seq) for seq, _ in batch}, set()
-        for read in list(self.layered):
-            if id(read.seq) in in_step:
-                verify(read, self.nixl, self.clock)
-            else:
-                advance(read, self.nixl, self.clock())
-                if not read.failed:
-                    continue  # its sequence computes in a later step
-            if read.failed:
-                rejected.add(read.seq)
-                self._fallback_layered(read)
-            else:
-                self._complete_layered(read)
-        return rejected
-
-    def _complete_layered(self, read: LayeredRead) -> None:
-        self.layered.remove(read)
-        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
-        elapsed = read.read_s()
-        seq.num_remote_tokens = (last - first) * self.block_size
-        seq.timing.kv_read_hidden_s += max(elapsed - (read.first_step_at - read.started) - read.waited_s, 0.0)
-        self._count_read(seq, elapsed, read.steps_before_first, len(read.local_ids))
-
-    def _fallback_layered(self, read: LayeredRead) -> None:
-        """As _fallback, for a sequence that ran: back to its local hit; blocks still being written are swapped for
-        fresh ones (or, with none free, it is preempted)."""
-        self.layered.remove(read)
-        seq, first, last = read.seq, read.decision.load_from_block, read.decision.load_to_block
-        self.decline(seq, read.failed)
-        if read.generator_state is not None:
-            seq.generator.set_state(read.generator_state)
-        seq.num_computed_tokens = first * self.block_size
-        if not read.in_flight:
-            return
-        self.abandoned.append(AbandonedRead(read.in_flight, list(read.local_ids)))
-        blocks = self.engine.block_manager
-        if blocks.num_free_blocks < last - first:
-            seq.block_table = seq.block_table[:first] + seq.block_table[last:]
-            self.engine.scheduler.preempt(seq)
-            return
-        seq.block_table[first:last] = [blocks.allocate_new() for _ in range(last - first)]
+        return self.layered.step_done(batch)
 
     def on_preempt(self, seq: Sequence) -> None:
-        """The scheduler frees a running sequence's blocks: a layered read into them is given up (the sequence
-        recomputes when readmitted); blocks NIXL may still write stay held until it is done."""
-        for read in [r for r in self.layered if r.seq is seq]:
-            self.layered.remove(read)
-            self.decline(seq, policy.PREEMPTED)
-            self._abandon_taken(read.in_flight, read.local_ids)
+        self.layered.drop(seq, policy.PREEMPTED)
 
-    def _abandon_taken(self, handles: list, block_ids: list[int]) -> None:
+    def abandon_taken(self, handles: list, block_ids: list[int]) -> None:
         """Hold `block_ids` (the sequence's table is about to be released) until `handles` are done with them."""
         if not handles:
             return
@@ -312,6 +259,7 @@ class KVConnector:
             self._last_expiry_check = now
         for load in list(self.loads):
             self._advance(load)
+        self.layered.advance_all()
         if self.abandoned:
             self._reap_abandoned()
 
@@ -360,13 +308,13 @@ class KVConnector:
         elapsed = time.perf_counter() - load.started
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
-        self._count_read(seq, elapsed, min(self.engine.step_seconds - load.steps_before, elapsed),
+        self.count_read(seq, elapsed, min(self.engine.step_seconds - load.steps_before, elapsed),
                          len(load.local_ids))
         self.engine.finish_loading(seq)
         if decision.whole_prompt:
             self.engine.append_token(seq, seq.remote.first_token_id)
 
-    def _count_read(self, seq: Sequence, elapsed: float, steps: float, num_blocks: int) -> None:
+    def count_read(self, seq: Sequence, elapsed: float, steps: float, num_blocks: int) -> None:
         """A read verified and taken: its time, bytes and tier, on the sequence and in the connector's stats."""
         nbytes = num_blocks * self.engine.kv_cache.layout.block_bytes
         seq.timing.kv_read_s += elapsed
@@ -406,10 +354,8 @@ class KVConnector:
     def on_abort(self, seq: Sequence) -> None:
         for load in [load for load in self.loads if load.seq is seq]:
             self.loads.remove(load)
-            self._abandon_taken([load.handle], load.local_ids)
-        for read in [read for read in self.layered if read.seq is seq]:
-            self.layered.remove(read)
-            self._abandon_taken(read.in_flight, read.local_ids)
+            self.abandon_taken([load.handle], load.local_ids)
+        self.layered.drop(seq)
 
     def _reap_abandoned(self) -> None:
         for read in list(self.abandoned):
@@ -440,6 +386,6 @@ class KVConnector:
                 hashes = hashes + [chain_hash(hashes[-1] if hashes else seq.hash_seed, tail)]
                 tokens = seq.num_computed_tokens
         lease = self.leases.retain(blocks, hashes, tokens, spec.conversation_key, spec.ttl_s,
-                                   spec.release_after_read, first_token)
+                                   spec.release_after_read, first_token, spec.covered)
         if lease is not None:
             seq.retained = lease.to_public(self.clock())

@@ -3,10 +3,11 @@
 D retains a finished turn's prompt + answer blocks for the next turn's prefill (readable many times until it
 expires, is released, or a newer turn of the same conversation supersedes it); P pins a prompt's blocks until D has
 read them (released after the read). Leases hold block references, so retained blocks are never recycled while
-leased. Under memory pressure (the pool's retained budget, or the scheduler short of blocks) the least recently used
-lease in the pool moves whole to the host tier when there is one (host_tier.py): its blocks are copied there and its
-pool blocks freed, so their epochs bump and a read racing the move is caught. Only when the host tier is full too is
-its least recently used lease dropped. A lease is renewed each time its conversation reads it (`acquire`, or D's own
+leased. Under memory pressure (the pool's retained budget, or the scheduler short of blocks) the lease retention.py
+chooses (tenants' shares, then the least likely to be read) moves whole to the host tier when there is one
+(host_tier.py): its blocks are copied there and its pool blocks freed, so their epochs bump and a read racing the
+move is caught. Only when the host tier is full too is its least recently used lease dropped. P's pins are never
+taken under pressure. A lease is renewed each time its conversation reads it (`acquire`, or D's own
 use), never past its maximum age. Deadlines are on this machine's monotonic clock; the record a peer sees carries
 the time left as a duration (`ttl_s`), from which the peer computes its own deadline. Mutations happen on the
 engine thread; lookups and renewals come from HTTP handlers, under the lock.
@@ -21,7 +22,10 @@ from dataclasses import dataclass
 
 from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.kv_cache import KVCache
+from kvturn.kv_transfer import retention
 from kvturn.kv_transfer.host_tier import HOST, POOL, HostTier
+
+CONVERSATIONS_REMEMBERED = 4096  # conversations whose turn rhythm is kept (retention.Candidate.gap_s)
 
 
 def conversation_digest(conversation_key: str) -> str:
@@ -44,6 +48,10 @@ class Lease:
     release_after_read: bool
     first_token_id: int | None = None  # P's pin: the token P sampled after the prompt
     renewals: int = 0
+    tenant: str = ""  # retention.tenant_of(the conversation key)
+    gap_s: float | None = None  # mean time between its conversation's turns so far
+    covered: float = 0.0  # fraction of its tokens P's prefix cache held at the turn that made it
+    announced_at: float | None = None  # monotonic seconds: last acquired (its next turn is on its way to P)
 
     def to_public(self, now: float) -> dict:
         """The lease as a peer sees it: its time left as a duration, and (for vLLM's field) as this machine's
@@ -71,12 +79,16 @@ class LeaseTable:
         self.moves: Counter = Counter()  # (from tier, to tier) -> leases moved or copied back for D's own use
         self.reads: Counter = Counter()  # tier -> reads of a lease its holder saw (acquire, D's own use)
         self.last_moved_at: float | None = None  # when a lease last left the pool for the host tier
+        self.choices: Counter = Counter()  # retention reason -> leases given up for room (retention.py)
+        self._turns: OrderedDict[str, tuple[float, int, float]] = OrderedDict()  # conversation -> (last, gaps, sum)
 
     def retain(self, block_ids: list[int], block_hashes: list[int], num_tokens: int, conversation_key: str,
-               ttl_s: float, release_after_read: bool, first_token_id: int | None = None) -> Lease | None:
+               ttl_s: float, release_after_read: bool, first_token_id: int | None = None,
+               covered: float = 0.0) -> Lease | None:
         if not block_ids:
             return None
         conversation = conversation_digest(conversation_key)
+        tenant = retention.tenant_of(conversation_key)
         for block_id in block_ids:
             self.block_manager.take(block_id)
         now = self.clock()
@@ -84,22 +96,34 @@ class LeaseTable:
                       block_ids=list(block_ids), block_hashes=list(block_hashes),
                       block_epochs=[int(self.block_manager.epochs[b]) for b in block_ids], num_tokens=num_tokens,
                       ttl_s=ttl_s, created=now, deadline=now + min(ttl_s, self.max_age_s), last_used=now,
-                      release_after_read=release_after_read, first_token_id=first_token_id)
+                      release_after_read=release_after_read, first_token_id=first_token_id, tenant=tenant,
+                      gap_s=None if release_after_read else self._turn_gap(conversation, now), covered=covered)
         with self._lock:
             previous = self._by_conversation.get(conversation)
         if previous is not None and not release_after_read:
             self._drop(previous, "superseded")
         budget = self.max_retained_blocks
         # Room first, so that the pool never holds more than the budget, not even while the oldest lease is copied.
-        while budget is not None and self.retained_blocks + len(block_ids) > budget and self.reclaim_oldest():
+        while (budget is not None and self.retained_blocks + len(block_ids) > budget
+               and self.reclaim_oldest(tenant, others_within_share=False)):
             pass
         with self._lock:
             self._leases[lease.handle] = lease
             self._by_conversation[conversation] = lease.handle
             self.counts["created"] += 1
-        while budget is not None and self.retained_blocks > budget and self.reclaim_oldest():
-            pass  # the lease alone is over the budget: it moves itself
+        while budget is not None and self.retained_blocks > budget and self.reclaim_oldest(tenant):
+            pass  # the lease alone is over the budget (or its tenant's share of it): it moves itself
         return lease
+
+    def _turn_gap(self, conversation: str, now: float) -> float | None:
+        """Note a turn of `conversation` at `now`; the mean time between its turns so far (None after one)."""
+        last, gaps, total = self._turns.pop(conversation, (None, 0, 0.0))
+        if last is not None:
+            gaps, total = gaps + 1, total + now - last
+        self._turns[conversation] = (now, gaps, total)
+        if len(self._turns) > CONVERSATIONS_REMEMBERED:
+            self._turns.popitem(last=False)
+        return total / gaps if gaps else None
 
     def lookup(self, handle: str, conversation_key: str) -> Lease | None:
         """The live lease named by `handle`, only if it is bound to `conversation_key`."""
@@ -115,6 +139,7 @@ class LeaseTable:
                 return None
             if not lease.release_after_read:
                 self._renew(lease)
+                lease.announced_at = lease.last_used
             self.reads[lease.tier] += 1
             return lease.to_public(self.clock())
 
@@ -166,29 +191,45 @@ class LeaseTable:
             self._drop(handle, "expired")
         return len(stale)
 
-    def reclaim_oldest(self) -> bool:
-        """Free the pool blocks of the least recently used lease there: move it to the host tier if it fits there
-        (dropping the host tier's least recently used leases to make room), else drop it. False if no lease is in
-        the pool. P's pins are never taken: a decode worker is about to read each one, and a pin let go makes it
-        recompute the whole prompt in its decoding steps; they end when read, released, or at their short TTL."""
+    def reclaim_oldest(self, requester: str | None = None, others_within_share: bool = True) -> bool:
+        """Free the pool blocks of the lease retention.choose gives up (for tenant `requester`, None: no tenant):
+        move it to the host tier if it fits there (dropping the host tier's least recently used leases to make
+        room), else drop it. False if no lease may go. P's pins are never taken: a decode worker is about to read
+        each one, and a pin let go makes it recompute the whole prompt in its decoding steps; they end when read,
+        released, or at their short TTL."""
         passed: set[str] = set()  # leases a peer acquired while they were being copied: moved last
         while True:
+            now = self.clock()
             with self._lock:
                 in_pool = [lease for lease in self._leases.values()
                            if lease.tier == POOL and not lease.release_after_read]
-            if not in_pool:
+            fresh = [lease for lease in in_pool if lease.handle not in passed] or in_pool
+            chosen = retention.choose([retention.Candidate(lease.tenant, len(lease.block_ids), now - lease.last_used,
+                                                           lease.gap_s, lease.covered,
+                                                           None if lease.announced_at is None
+                                                           else now - lease.announced_at) for lease in fresh],
+                                      requester, self.max_retained_blocks or self.block_manager.num_blocks,
+                                      others_within_share)
+            if chosen is None:
                 return False
-            oldest = next((lease for lease in in_pool if lease.handle not in passed), in_pool[0])
+            oldest, why = fresh[chosen[0]], chosen[1]
             if self.host is None or len(oldest.block_ids) > self.host.num_blocks:
-                return self._drop(oldest.handle, "reclaimed")
+                return self._gave_up(why, self._drop(oldest.handle, "reclaimed"))
             while self.host.num_free_blocks < len(oldest.block_ids):
                 with self._lock:
                     victim = next((lease for lease in self._leases.values() if lease.tier == HOST), None)
                 if victim is None or not self._drop(victim.handle, "reclaimed"):
-                    return self._drop(oldest.handle, "reclaimed")
+                    return self._gave_up(why, self._drop(oldest.handle, "reclaimed"))
             if self._move_to_host(oldest, force=oldest.handle in passed):
-                return True
+                return self._gave_up(why, True)
             passed.add(oldest.handle)
+
+    def _gave_up(self, why: str, done: bool) -> bool:
+        """Count why a lease left the pool (retention.REASONS)."""
+        if done:
+            with self._lock:
+                self.choices[why] += 1
+        return done
 
     def _move_to_host(self, lease: Lease, force: bool = False) -> bool:
         """Copy the lease's blocks to the host tier, point the lease there, then free its pool blocks (their epochs

@@ -55,14 +55,6 @@ class LayoutMismatch(ValueError):
     pass
 
 
-class PartlyPosted(RuntimeError):
-    """Posting a layered read failed after some of its transfers were posted: `handles` may still be writing."""
-
-    def __init__(self, handles: list):
-        super().__init__(f"a layered read failed after {len(handles)} layers were posted")
-        self.handles = handles
-
-
 @dataclass(slots=True)
 class Peer:
     engine_id: str
@@ -185,21 +177,12 @@ class KVTransferAgent:
         pieces = self._pieces(peer, remote_ids, local_ids, tier)
         return self._start(peer, [d for local, _ in pieces for d in local], [d for _, remote in pieces for d in remote])
 
-    def start_layer_reads(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
-        """The same read as start_block_read, posted as one transfer per layer in layer order, so that a step can
-        compute layer l as soon as layer l has arrived; returns the handles. A post failing after others were made
-        raises PartlyPosted with those (NIXL may still write their blocks)."""
+    def layer_reads(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
+        """The same read as start_block_read, in one transfer per layer: returns what posts layer l's (and returns
+        its handle), so that a step can compute layer l as soon as layer l has arrived."""
         peer = self.peers[engine_id]
         pieces = self._pieces(peer, remote_ids, local_ids, tier)
-        handles = []
-        for layer in range(self.layout.num_layers):
-            try:
-                handles.append(self._start(peer, *pieces[layer]))
-            except Exception as exc:
-                if handles:
-                    raise PartlyPosted(handles) from exc
-                raise
-        return handles
+        return lambda layer: self._start(peer, *pieces[layer])
 
     def _pieces(self, peer: Peer, remote_ids: list[int], local_ids: list[int], tier: str) -> list[tuple[list, list]]:
         """(local, remote) NIXL descriptors of a read, per layer: each layer's keys and values of each run of blocks

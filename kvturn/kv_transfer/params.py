@@ -70,6 +70,9 @@ class KVTransferParams:
     # Seconds the lease has left, as its last holder of the record counted them: each receiver sets its own deadline
     # on its own clock from this (remote_blocks_expiry_time is the holder's wall clock, which no other machine reads).
     remote_blocks_ttl_s: float | None = None
+    # Tokens of this prompt P's own prefix cache held, relayed by the router to the decode worker, which weighs the
+    # lease it will keep by it (retention.py: a history P's cache holds is little worth reading back)
+    prefill_cached_tokens: int | None = None
 
     @classmethod
     def parse(cls, raw: Any) -> "KVTransferParams":
@@ -86,7 +89,8 @@ class KVTransferParams:
                 values[spec.name] = bool(_typed(value, bool, spec.name))
             else:
                 kind = {"remote_port": int, "remote_num_tokens": int, "tp_size": int, "first_token_id": int,
-                        "remote_blocks_expiry_time": float, "remote_blocks_ttl_s": float}.get(spec.name, str)
+                        "remote_blocks_expiry_time": float, "remote_blocks_ttl_s": float,
+                        "prefill_cached_tokens": int}.get(spec.name, str)
                 values[spec.name] = _typed(value, kind, spec.name)
         params = cls(**values)
         if params.do_remote_decode and params.do_remote_prefill:
@@ -97,6 +101,8 @@ class KVTransferParams:
             raise BadKVParams(f"remote_blocks_tier must be one of {TIERS}")
         if params.remote_blocks_ttl_s is not None and params.remote_blocks_ttl_s < 0:
             raise BadKVParams("remote_blocks_ttl_s must be >= 0")
+        if params.prefill_cached_tokens is not None and params.prefill_cached_tokens < 0:
+            raise BadKVParams("prefill_cached_tokens must be >= 0")
         return params
 
     def to_json(self) -> dict[str, Any]:
@@ -154,6 +160,7 @@ class RemoteRef:
 class KVPlan:
     prefill_for_remote_decode: bool  # P role: compute the prompt, pin its blocks for D
     remote: RemoteRef | None  # blocks to read from a peer (D->P on P, P->D on D)
+    prefill_cached_tokens: int = 0  # of the prompt, what P's prefix cache held (on D, from the router)
 
 
 def plan(raw: Any, conversation_key: str | None) -> KVPlan:
@@ -167,7 +174,7 @@ def plan(raw: Any, conversation_key: str | None) -> KVPlan:
                                binding, params.lease_record())
     elif params.do_remote_prefill:
         raise BadKVParams("do_remote_prefill needs remote_host, remote_port and handle")
-    return KVPlan(params.do_remote_decode, remote)
+    return KVPlan(params.do_remote_decode, remote, params.prefill_cached_tokens or 0)
 
 
 def retention_params(lease: dict, engine_id: str, request_id: str, host: str, port: int,

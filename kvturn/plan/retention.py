@@ -4,6 +4,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvturn.kv_transfer import retention
 from kvturn.kv_transfer.params import HOST, POOL
 
 
@@ -12,6 +13,8 @@ class Lease:
     conversation: str
     tokens: int
     expiry_s: float
+    made_s: float = 0.0
+    gap_s: float | None = None  # mean time between its conversation's turns so far (retention.Candidate)
     alive: bool = True
 
 
@@ -26,13 +29,19 @@ class Leases:
         self.on_change = on_change  # told (tier, change in tokens), for the cluster's totals
         self.tiers: dict[str, OrderedDict[str, Lease]] = {POOL: OrderedDict(), HOST: OrderedDict()}
         self.tokens = {POOL: 0, HOST: 0}
+        self.now = 0.0
+        self.turns: dict[str, tuple[float, int, float]] = {}  # conversation -> (last retained, gaps, their sum)
 
     def retain(self, conversation: str, tokens: int, now: float, ttl_s: float) -> Lease | None:
         self.expire(now)
         self.drop(conversation)  # superseded
+        last, gaps, total = self.turns.get(conversation, (None, 0, 0.0))
+        if last is not None:
+            gaps, total = gaps + 1, total + now - last
+        self.turns[conversation] = (now, gaps, total)
         if tokens <= 0:
             return None
-        lease = Lease(conversation, tokens, now + ttl_s)
+        lease = Lease(conversation, tokens, now + ttl_s, now, total / gaps if gaps else None)
         self.tiers[POOL][conversation] = lease
         self._add(POOL, tokens)
         while self.budget_tokens is not None and self.tokens[POOL] > self.budget_tokens and self.reclaim_oldest():
@@ -48,17 +57,22 @@ class Leases:
 
     def expire(self, now: float) -> None:
         """Drop the leases ended by `now`: all share one TTL, so in each tier they end in the order they began."""
+        self.now = now
         for leases in self.tiers.values():
             while leases and next(iter(leases.values())).expiry_s <= now:
                 self.drop(next(iter(leases)))
 
     def reclaim_oldest(self) -> bool:
-        """Free the pool tokens of its oldest lease: to the host tier if it fits there, else dropped. False with
-        none in the pool."""
+        """Free the pool tokens of the lease the decode worker's own choice takes (kv_transfer/retention.py: one
+        whose conversation looks ended, else the oldest): to the host tier if it fits there, else dropped. False
+        with none in the pool."""
         pool, host = self.tiers[POOL], self.tiers[HOST]
         if not pool:
             return False
-        oldest = next(iter(pool.values()))
+        in_pool = list(pool.values())
+        index, _ = retention.choose([retention.Candidate("", lease.tokens, self.now - lease.made_s, lease.gap_s, 0.0)
+                                     for lease in in_pool], None, 1)
+        oldest = in_pool[index]
         if oldest.tokens > self.host_tokens:
             self.drop(oldest.conversation)
             return True

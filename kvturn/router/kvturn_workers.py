@@ -14,7 +14,7 @@ from kvturn.router.turn_backend import TurnBackend
 from kvturn.router.turn_costs import TurnCosts
 from kvturn.router.vllm_backend import KVTURN
 
-LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH)  # the decode worker let it go
+LEASE_GONE = (policy.LEASE_UNKNOWN, policy.EXPIRED, policy.EPOCH_MISMATCH, policy.LEASE_ENDED)  # D let it go
 NEW_PROMPT = {"do_remote_decode": True, "do_remote_prefill": False}  # P computes it all and pins it for D
 
 
@@ -33,10 +33,11 @@ class KvturnWorkers(TurnBackend):
     async def verify_reuse(self, prefill_url: str) -> None:
         """Ask D whether it still holds the lease (lease_check.py): one it let go is withdrawn, never handed to P."""
         turn = self.turn
-        if self.lease is None or turn.key is None:
-            return
+        holder = turn.router.decode.find(turn.entry.decode_url) if self.lease is not None else None
+        if holder is None or holder.backend != KVTURN or turn.key is None:
+            return  # the secret goes only to a decode worker of our own rotation
         handle = self.lease.get("handle") if isinstance(self.lease, dict) else None
-        if await turn.waiting(still_held(turn.router, turn.entry.decode_url, handle, turn.key)) is False:
+        if await turn.waiting(still_held(turn.router, holder.url, handle, turn.key)) is False:
             self.lease, self.withdrawn = None, True
             await turn.router.table.drop(turn.key)
 
@@ -80,7 +81,12 @@ class KvturnWorkers(TurnBackend):
             await turn.router.table.drop(turn.key)  # nothing left to read there; keep no stale entry
 
     def decode_body(self) -> dict:
-        return {**self.turn.body, "kv_transfer_params": self.turn.prefill.get("kv_transfer_params")}
+        """P's params for D, with what P's own prefix cache held of the prompt (D weighs the lease it keeps by it)."""
+        kv = self.turn.prefill.get("kv_transfer_params")
+        cached = (self.turn.prefill.get("kvturn") or {}).get("prompt_tokens_cached")
+        if isinstance(kv, dict) and isinstance(cached, int) and cached >= 0:
+            kv = {**kv, "prefill_cached_tokens": cached}
+        return {**self.turn.body, "kv_transfer_params": kv}
 
     def first_token(self) -> FirstToken | None:
         turn = self.turn
@@ -147,6 +153,7 @@ class KvturnWorkers(TurnBackend):
                 "queue_ms": p_timing.get("queue_ms"),
                 "d_to_p_read_ms": p_timing.get("kv_read_ms"),
                 "d_to_p_read_step_ms": p_timing.get("kv_read_step_ms"),  # of it, P's steps for other prompts
+                "d_to_p_read_hidden_ms": p_timing.get("kv_read_hidden_ms"),  # of it, under P's own compute
                 "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),

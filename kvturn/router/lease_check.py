@@ -12,12 +12,12 @@ import logging
 
 import orjson
 
+from kvturn.kv_transfer.policy import LEASE_ENDED  # noqa: F401 (the turn's reuse outcome when D let the lease go)
 from kvturn.router.upstream import Unreachable
 
 log = logging.getLogger("kvturn.router")
 ACQUIRE_PATH = "/kv/lease/acquire"
-CHECK_TIMEOUT_S = 2.0  # far above a loopback or in-rack round trip; a D this slow is busy, and P checks anyway
-LEASE_ENDED = "lease_ended"  # the turn's reuse outcome when D said it no longer held the lease
+CHECK_TIMEOUT_S = 1.0  # far above a loopback or in-rack round trip; a D this slow is busy, and P checks anyway
 
 
 async def still_held(router, decode_url: str, handle: str | None, key: str) -> bool | None:

@@ -7,6 +7,7 @@ from kvturn.engine.prefix_host import PrefixHostStats
 from kvturn.kv_transfer.connector import ConnectorStats, KVConnector
 from kvturn.kv_transfer.params import HOST, POOL, TIERS
 from kvturn.kv_transfer.policy import DECLINE_REASONS
+from kvturn.kv_transfer.retention import REASONS
 from kvturn.server.vllm_metrics import VLLMCollector, request_histograms
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -57,6 +58,11 @@ class EngineCollector:
         for event, value in (leases.counts.items() if leases else ()):
             lease_events.add_metric([event], value)
         yield lease_events
+        choices = CounterMetricFamily("kvturn_kv_retention_choices", "Leases given up for room, by why retention "
+                                      "chose them (kv_transfer/retention.py)", labels=["reason"])
+        for reason in REASONS:
+            choices.add_metric([reason], leases.choices[reason] if leases else 0)
+        yield choices
         bm = engine.block_manager
         block_bytes = engine.kv_cache.layout.block_bytes
         cached_free = bm.num_cached_free_blocks

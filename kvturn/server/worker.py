@@ -237,7 +237,8 @@ class Worker:
                              param="kv_transfer_params")
         elif self.config.bidirectional and conversation_key:
             retain = RetainSpec(self.config.connector.decoder_kv_blocks_ttl_s, conversation_key,
-                                release_after_read=False)
+                                release_after_read=False,
+                                covered=min(plan.prefill_cached_tokens / max(len(prompt), 1), 1.0))
         remote, declined, side_channel_s = None, None, 0.0
         reads_remote = plan.remote is not None and (self.config.bidirectional or not plan.prefill_for_remote_decode)
         if reads_remote:  # D->P reads need --bidirectional on this worker; P->D reads always happen
