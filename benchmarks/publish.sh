@@ -46,6 +46,7 @@ run production-grid-smollm2 bash -c "$PY -m kvturn.cli models pull smollm2 && $P
     --legs pd/P-cache-on,bidir/P-cache-on --calibrate-on none --out $OUT/production-grid-smollm2"
 # The router's choice of P on 2P2D: least-loaded (turns wander between P's caches) against the grid's prefix-affine
 run production-least-loaded $PY -m kvturn.cli bench --compare --scenario production --prefill-choice least-loaded \
+    --legs pd/P-cache-on,bidir/P-cache-on \
     --sessions 12 --max-prompt-tokens 2048 --gap-scale 0.05 --out "$OUT/production-least-loaded"
 run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
 # The same host MiB spent on P's prefix cache (a host tier) or on D's leases, against P/D and bidir without it
