@@ -69,9 +69,25 @@ def test_matching_blocks_are_read_and_the_output_is_unchanged(pair, reference):
 
 def test_blocks_recycled_during_the_read_are_caught_by_the_epoch_check(pair, reference):
     decode, prefill, remote = pair
-    decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # what handing the block out again does
+    nixl = prefill.connector.nixl
+    start_read = nixl.start_block_read
+
+    def recycled_as_the_read_starts(*args, **kwargs):  # P's look at the epochs before the read saw them unchanged
+        decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # what handing the block out again does
+        return start_read(*args, **kwargs)
+
+    nixl.start_block_read = recycled_as_the_read_starts
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "epoch_mismatch" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+
+
+def test_blocks_let_go_before_the_read_are_not_read_at_all(pair, reference):
+    decode, prefill, remote = pair
+    decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # let go while the prompt waited in P's queue
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    # seen before the read when NIXL brings the epochs back within the probe's wait, else by the read's own check
+    assert seq.reuse_outcome in ("lease_ended", "epoch_mismatch") and seq.num_remote_tokens == 0
     assert seq.output_token_ids == reference
 
 
