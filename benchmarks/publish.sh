@@ -32,7 +32,25 @@ run coding-agent $PY -m kvturn.cli bench --compare --scenario coding-agent --max
 for tokens in 4000 16000 32000; do
     run tpot-$tokens $PY benchmarks/turn_breakdown.py --prompt-tokens $tokens --turns 3 --out "$OUT/tpot-$tokens.json"
 done
+# P's read of the history layer by layer beside its compute, against the read whole, over a 10 Gbit link between
+# network namespaces (UCX over TCP), each held to the summed and the overlapped ideal
+run read-overlap-10gbit $PY -m kvturn.cli bench --compare --scenario sweep --max-prompt-tokens 16384 \
+    --legs pd/P-cache-off,bidir/P-cache-off,bidir/P-cache-off/whole-read --hosts netns --link 10gbit:50us \
+    --out "$OUT/read-overlap-10gbit"
+# The answer grid: production scenario on 2P2D, P's cache on, across links and P-pool pressure (netns cells: root)
+run production-grid $PY benchmarks/production_grid.py --links shm,10gbit --pressures none,0.33 --repeats 1 \
+    --sessions 12 --max-prompt-tokens 2048 --out "$OUT/production-grid"
+# One cell of it on the real model (P-pool pressure, so that histories are read back): answers equal a run without reuse
+run production-grid-smollm2 bash -c "$PY -m kvturn.cli models pull smollm2 && $PY benchmarks/production_grid.py \
+    --model smollm2 --links shm --pressures 0.33 --repeats 1 --sessions 8 --max-prompt-tokens 1024 \
+    --legs pd/P-cache-on,bidir/P-cache-on --calibrate-on none --out $OUT/production-grid-smollm2"
+# The router's choice of P on 2P2D: least-loaded (turns wander between P's caches) against the grid's prefix-affine
+run production-least-loaded $PY -m kvturn.cli bench --compare --scenario production --prefill-choice least-loaded \
+    --sessions 12 --max-prompt-tokens 2048 --gap-scale 0.05 --out "$OUT/production-least-loaded"
 run transfer $PY benchmarks/transfer.py --sizes-mib 2,8,32 --out "$OUT/transfer.json"
+# The same host MiB spent on P's prefix cache (a host tier) or on D's leases, against P/D and bidir without it
+run prefix-host $PY -m kvturn.cli bench --compare --scenario agent-loop --kv-cache-mb 64 \
+    --legs pd/P-cache-on,bidir/P-cache-on,pd/P-cache-host,bidir/D-host --out "$OUT/prefix-host"
 run memory-pressure $PY benchmarks/memory_pressure.py --rounds 1 --out "$OUT/memory-pressure"
 run chaos-soak $PY benchmarks/chaos_soak.py --out "$OUT/chaos-soak.json"
 run plan-accuracy $PY benchmarks/plan_accuracy.py --workloads calibration,short-chats,long-agents,sweep \

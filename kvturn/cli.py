@@ -91,6 +91,7 @@ def worker(
     calibrate: bool = option(WorkerConfig, "calibrate", "--calibrate/--no-calibrate"),
     otlp_traces_endpoint: Optional[str] = option(WorkerConfig, "otlp_traces_endpoint"),
     prefix_caching: bool = option(EngineConfig, "enable_prefix_caching", "--prefix-caching/--no-prefix-caching"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     block_size: int = option(EngineConfig, "block_size"),
     kv_cache_mb: int = option(EngineConfig, "kv_cache_mb"),
     num_kv_blocks: Optional[int] = option(EngineConfig, "num_kv_blocks"),
@@ -109,6 +110,8 @@ def worker(
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
     kv_lease_max_age_s: float = option(ConnectorConfig, "kv_lease_max_age_s"),
     side_channel_timeout_s: float = option(ConnectorConfig, "side_channel_timeout_s"),
+    kv_read_overlap: bool = option(ConnectorConfig, "kv_read_overlap", "--kv-read-overlap/--no-kv-read-overlap"),
+    kv_read_layer_wait_s: float = option(ConnectorConfig, "kv_read_layer_wait_s"),
     cluster_secret: Optional[str] = option(ConnectorConfig, "cluster_secret", envvar="KVTURN_CLUSTER_SECRET"),
     trusted_peer: list[str] = option(ConnectorConfig, "trusted_peers", "--trusted-peer"),
     log_level: str = typer.Option("info"),
@@ -119,13 +122,14 @@ def worker(
     engine = build(EngineConfig, block_size=block_size, kv_cache_mb=kv_cache_mb, num_kv_blocks=num_kv_blocks,
                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                    prefill_pack_tokens=prefill_pack_tokens, max_model_len=max_model_len,
-                   enable_prefix_caching=prefix_caching, dtype=dtype, step_history_steps=step_history_steps)
+                   enable_prefix_caching=prefix_caching, prefix_host_mb=prefix_host_mb, dtype=dtype,
+                   step_history_steps=step_history_steps)
     connector = build(ConnectorConfig, kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                       decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, kv_pin_timeout_s=kv_pin_timeout_s,
                       kv_read_timeout_s=kv_read_timeout_s, kv_expiry_margin_s=kv_expiry_margin_s,
                       retained_kv_budget_mb=retained_kv_budget_mb, retained_host_mb=retained_host_mb,
                       kv_lease_max_age_s=kv_lease_max_age_s, side_channel_timeout_s=side_channel_timeout_s,
-                      cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
+                      kv_read_overlap=kv_read_overlap, kv_read_layer_wait_s=kv_read_layer_wait_s, cluster_secret=cluster_secret or None, trusted_peers=trusted_peer)
     config = build(WorkerConfig, model_dir=resolve_model(model), role=role, host=host, port=port,
                    advertise_host=advertise_host, served_model_name=served_model_name, bidirectional=bidirectional,
                    max_logprobs=max_logprobs, default_max_output_tokens=default_max_output_tokens,
@@ -157,6 +161,8 @@ def router(
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
     path_policy: str = option(RouterConfig, "path_policy"),
     stall_weight: float = option(RouterConfig, "stall_weight"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    prefill_spill_ms: float = option(RouterConfig, "prefill_spill_ms"),
     backend: str = option(RouterConfig, "backend"),
     tokenizer: Optional[str] = option(RouterConfig, "tokenizer_dir", "--tokenizer"),
     kv_recompute_threshold_tokens: int = option(RouterConfig, "kv_recompute_threshold_tokens"),
@@ -179,7 +185,8 @@ def router(
                    health_interval_s=health_interval_s, max_body_mb=max_body_mb,
                    cluster_secret=cluster_secret or None, api_keys=api_key, admin_keys=admin_key,
                    expose_internals=expose_internals, path_policy=path_policy,
-                   stall_weight=stall_weight, backend=backend,
+                   stall_weight=stall_weight, prefill_choice=prefill_choice, prefill_spill_ms=prefill_spill_ms,
+                   backend=backend,
                    tokenizer_dir=tokenizer if not tokenizer or Path(tokenizer).is_dir() else resolve_model(Path(tokenizer)),
                    kv_recompute_threshold_tokens=kv_recompute_threshold_tokens,
                    vllm_retain_streamed_turns=vllm_retain_streamed_turns,
@@ -202,6 +209,7 @@ def serve(
     kv_recompute_threshold_tokens: int = option(ConnectorConfig, "kv_recompute_threshold_tokens"),
     retained_kv_budget_mb: Optional[int] = option(ConnectorConfig, "retained_kv_budget_mb"),
     retained_host_mb: Optional[int] = option(ConnectorConfig, "retained_host_mb"),
+    prefix_host_mb: int = option(EngineConfig, "prefix_host_mb"),
     api_key: list[str] = option(RouterConfig, "api_keys", "--api-key", envvar="KVTURN_API_KEY"),
     admin_key: list[str] = option(RouterConfig, "admin_keys", "--admin-key", envvar="KVTURN_ADMIN_KEY"),
     expose_internals: bool = option(RouterConfig, "expose_internals", "--expose-internals/--no-expose-internals"),
@@ -214,11 +222,15 @@ def serve(
     restart_backoff_s: float = option(SupervisorConfig, "restart_backoff_s"),
     restart_backoff_max_s: float = option(SupervisorConfig, "restart_backoff_max_s"),
     restart_settled_s: float = option(SupervisorConfig, "restart_settled_s"),
-    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill worker on half of this machine's cores, "
-                                     "decode worker on the other half, as on machines of their own"),
+    pin_workers: bool = typer.Option(False, "--pin-workers", help="prefill workers on half of this machine's cores, "
+                                     "decode workers on the other half, as on machines of their own"),
+    prefill: int = typer.Option(1, "--prefill", min=1, max=16, help="prefill workers"),
+    decode: int = typer.Option(1, "--decode", min=1, max=16, help="decode workers"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
 ):
-    """Start router + 1 prefill + 1 decode worker on this machine, sharing a cluster secret made for this stack.
-    Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM stops them all."""
+    """Start a router + N prefill + M decode workers (default 1P1D) on this machine, sharing a cluster secret made
+    for this stack. Each process logs to a file of its own; one that exits is started again; Ctrl-C or SIGTERM
+    stops them all."""
     import signal
     import time
 
@@ -228,7 +240,13 @@ def serve(
     worker_args = ["--kv-recompute-threshold-tokens", str(kv_recompute_threshold_tokens),
                    "--decoder-kv-blocks-ttl-s", str(decoder_kv_blocks_ttl_s)] + ([] if calibrate else ["--no-calibrate"])
     decode_args = ["--retained-kv-budget-mb", str(retained_kv_budget_mb)] if retained_kv_budget_mb else []
+    build(EngineConfig, prefix_host_mb=prefix_host_mb, enable_prefix_caching=prefix_caching_on_prefill)
+    prefill_args = ["--prefix-host-mb", str(prefix_host_mb)] if prefix_host_mb else []  # P's, as the bench legs'
+    from kvturn.config import PREFILL_CHOICES
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
     router_args = ["--path-policy", path_policy, "--no-worker-wait-s", str(no_worker_wait_s),
+                   "--prefill-choice", prefill_choice,
                    *(a for key in api_key for a in ("--api-key", key)),
                    *(a for key in admin_key for a in ("--admin-key", key))]
     log_dir = log_dir or default_log_dir("serve")
@@ -241,10 +259,11 @@ def serve(
     decode_args += ["--retained-host-mb", str(retained_host_mb)] if retained_host_mb else []
     stack = LocalStack(resolve_model(model), bidirectional=bidirectional,
                        prefix_caching_on_prefill=prefix_caching_on_prefill, kv_cache_mb=kv_cache_mb,
-                       worker_args=worker_args, decode_args=decode_args, router_args=router_args,
-                       log_dir=log_dir, base_port=port, pin_workers=pin_workers, supervisor=supervisor,
-                       expose_internals=expose_internals)
-    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill.log, decode0.log; this process: serve.log)")
+                       worker_args=worker_args, prefill_args=prefill_args, decode_args=decode_args,
+                       router_args=router_args, log_dir=log_dir, base_port=port, pin_workers=pin_workers,
+                       supervisor=supervisor, expose_internals=expose_internals, num_prefill=prefill,
+                       num_decode=decode)
+    typer.echo(f"kvturn serve: logs in {log_dir} (router.log, prefill*.log, decode*.log; this process: serve.log)")
     signalled: list[int] = []
 
     def shutdown(signum, _frame):
@@ -257,9 +276,10 @@ def serve(
     failed: list[str] = []
     try:
         with stack:
-            typer.echo(f"kvturn serving on {stack.url}/v1 (prefill {stack.urls['prefill']}, decode "
-                       f"{stack.urls['decode0']}, bidirectional {'on' if bidirectional else 'off'}, cluster secret "
-                       f"set, restarts {'on' if restart else 'off'})")
+            workers = ", ".join(f"{name} {url}" for name, url in stack.urls.items() if name != "router")
+            typer.echo(f"kvturn serving on {stack.url}/v1 ({prefill}P{decode}D: {workers}; prefill choice "
+                       f"{prefill_choice}, bidirectional {'on' if bidirectional else 'off'}, cluster secret set, "
+                       f"restarts {'on' if restart else 'off'})")
             while not failed:
                 time.sleep(0.2)
                 if not restart:  # nobody restarts a process that exits: stop the others with it
@@ -270,6 +290,36 @@ def serve(
             raise
     logging.getLogger("kvturn.serve").info("stopped (%s)", f"{failed} exited" if failed else "signal")
     raise typer.Exit(1 if failed else 0)
+
+
+def spec_topology(scenario: str) -> str:
+    spec = catalog.SCENARIOS.get(scenario)
+    return (spec.topology if spec else None) or "1P1D"
+
+
+def bench_layout(topology: str, prefill_choice: str, hosts: str, link: Optional[str], compare: bool):
+    """Every leg's stack shape from the bench's options, each checked."""
+    from kvturn.bench.topology import HOSTS, Layout, Topology
+    from kvturn.config import PREFILL_CHOICES
+    try:
+        shape = Topology.parse(topology)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
+    if hosts not in HOSTS:
+        raise typer.BadParameter(f"--hosts must be one of {HOSTS}")
+    if not compare and hosts != "one":
+        raise typer.BadParameter("--hosts places the stacks --compare launches")
+    if link is not None and hosts != "netns":
+        raise typer.BadParameter("--link shapes the namespaces' links: give --hosts netns")
+    if link is not None:
+        from kvturn.bench.netns import Link
+        try:
+            Link.parse(link)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return Layout(shape, prefill_choice, hosts, link)
 
 
 @app.command()
@@ -285,7 +335,8 @@ def bench(
                                 "interleaved, each repeat on fresh stacks, and report each figure's median and range"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply every think time between turns "
                                     "(coding-agent's median 5.2 s and p99 81 s; 0.05 makes them seconds)"),
-    sessions: Optional[int] = typer.Option(None, help="sessions (clients) in parallel (default: the scenario's)"),
+    sessions: Optional[int] = typer.Option(None, help="sessions of a scenario, all at once (default: the scenario's); "
+                                            "with --workload, how many of its conversations run in parallel"),
     max_turns: Optional[int] = typer.Option(None, help="cut every conversation after this many turns"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep; the context a "
@@ -300,6 +351,20 @@ def bench(
     pin_workers: bool = typer.Option(False, "--pin-workers", help="with --compare: prefill workers on half of this "
                                      "machine's cores, decode workers on the other half, one thread a core, as on "
                                      "machines of their own (a colocated worker, the router and the client: all)"),
+    topology: Optional[str] = typer.Option(None, help="with --compare: prefill and decode workers of every P/D leg, "
+                                           "e.g. 2P2D (default: the scenario's, else 1P1D; a colocated leg runs one "
+                                           "worker)"),
+    p_pool_share: Optional[float] = typer.Option(None, "--p-pool-share", min=0.01, max=10.0,
+                                                 help="with --compare: size every prefill worker's KV pool so that "
+                                                 "together they hold this share of the workload's live histories "
+                                                 "(P's prefix cache under pressure; each still fits the longest "
+                                                 "prompt); default: --kv-cache-mb"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    hosts: str = typer.Option("one", help="with --compare: one (every process on this host, UCX as it likes) or "
+                              "netns (each worker, and the router with the client, in a network namespace of its "
+                              "own behind a veth into one bridge, UCX over TCP only; needs root)"),
+    link: Optional[str] = typer.Option(None, help="with --hosts netns: each namespace's link shaped to RATE:DELAY "
+                                       "with tc, e.g. 25gbit:50us (default: unshaped)"),
     out: Optional[Path] = typer.Option(None, help="output directory (default results/bench-SCENARIO)"),
 ):
     """Multi-turn agent benchmark: TTFT, TPOT, session time, prefill split, reuse and bytes moved."""
@@ -308,8 +373,9 @@ def bench(
 
     from rich.console import Console
 
-    from kvturn.bench import client, compare as comparison, report, spread, workload
+    from kvturn.bench import client, compare as comparison, prefix_sources, report, spread, workload
     from kvturn.bench.machine import machine, write_json
+    from kvturn.bench.placement import placement_text
     from kvturn.model.tokenizer import ChatTokenizer
     console = Console(width=None if sys.stdout.isatty() else 160)
     if not compare and not url:
@@ -318,6 +384,7 @@ def bench(
         raise typer.BadParameter("--repeats needs --compare: each repeat starts fresh stacks")
     if scenario not in catalog.SCENARIOS:
         raise typer.BadParameter(f"scenario must be one of {sorted(catalog.SCENARIOS)}")
+    layout = bench_layout(topology or spec_topology(scenario), prefill_choice, hosts, link, compare)
     model_dir = resolve_model(model)
     tokenizer = ChatTokenizer(model_dir)
     source = workload.TextSource(tokenizer)
@@ -328,31 +395,47 @@ def bench(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     else:
-        conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns)
+        try:
+            conversations = catalog.build_workload(scenario, source, seed, max_prompt_tokens, turns, sessions)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
     for conv in conversations:
         for turn in conv.turns:
             turn.answer_tokens = max(turn.answer_tokens, limit_min_tokens or 1)
             if limit_max_tokens:
                 turn.answer_tokens = min(turn.answer_tokens, limit_max_tokens)
     workload.scale_gaps(conversations, gap_scale)
+    if p_pool_share is not None:
+        import dataclasses
+
+        from kvturn.bench.topology import prefill_pool_mb
+        layout = dataclasses.replace(layout, prefill_kv_cache_mb=prefill_pool_mb(
+            conversations, tokenizer.count, model_dir, p_pool_share, layout.topology.prefill))
     name = workload_file.stem if workload_file else scenario
     out_dir = out or Path("results") / f"bench-{name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"workload {name}: {len(conversations)} conversations, "
                   f"{sum(len(c.turns) for c in conversations)} turns")
+    link_measure = None
     if compare:
         chosen = chosen_legs(legs) if legs else list(catalog.default_legs(scenario))
-        runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
-                                      out_dir / "logs", console, source, sessions, pin_workers)
+        with comparison.hosts_of(layout) as layout:  # --hosts netns: the namespaces live as long as the legs
+            runs = comparison.run_repeats(repeats, model_dir, chosen, spec, conversations, seed, kv_cache_mb,
+                                          out_dir / "logs", console, source, sessions, pin_workers, layout)
+            ideals = [comparison.ideal_speedup(run, model_dir, layout) for run in runs]
+            whole_read = [comparison.ideal_speedup(run, model_dir, layout, catalog.ON_LEGS[1]) for run in runs]
+            link_measure = comparison.link_ideal(model_dir, layout)
+            if link_measure:
+                console.print(comparison.link_text(link_measure))
     else:
         runs = [{url: asyncio.run(client.run(url, conversations, sessions=sessions or spec.sessions,
                                              request_rate=request_rate, warmup_turns=warmup_turns,
                                              max_turns=max_turns, seed=seed, count_tokens=tokenizer.count,
                                              ignore_eos=spec.ignore_eos))}]
+        ideals, whole_read = [None], [None]
     results = runs[0]
     every_summary = [[report.summarize(leg, result) for leg, result in run.items()] for run in runs]
     summaries = every_summary[0]
-    ideals = [comparison.ideal_speedup(run, model_dir) for run in runs] if compare else [None]
     ideal = ideals[0]
     info = machine()
     leg_spreads, ratios = spread.leg_spreads(every_summary), spread.ratio_spreads(every_summary)
@@ -362,11 +445,20 @@ def bench(
     if retention:
         console.print(retention)
     pinned = ", P and D pinned to their own cores" if compare and pin_workers else ""
-    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned})"
+    title = f"kvturn bench: {name} ({info['cpu']}, {info['cores']} cores{pinned}; {layout.describe()})"
     if repeats > 1:
         spread.print_tables(leg_spreads, ratios, f"{title}, median (min-max) over {repeats} repeats", console)
     else:
         report.print_table(summaries, title, console)
+    sources = prefix_sources.by_leg(results)
+    prefix_sources.print_table(sources, console)
+    answers = comparison.answers_equal(results) if compare else None
+    if compare:
+        console.print(placement_text(summaries, str(layout.topology), layout.prefill_choice))
+    if answers:
+        console.print(comparison.answers_text(answers))
+    if whole_read[0] and "ideal_speedup" in whole_read[0]:
+        report.print_ideal_table(whole_read[0]["by_length"], console, catalog.ON_LEGS[1])
     if ideal and "ideal_speedup" in ideal:
         report.print_ideal_table(ideal["by_length"], console)
         console.print(f"longest prompt {ideal['prompt_tokens']} tokens: TTFT {ideal['ttft_off_ms']:.0f} ms (OFF) -> "
@@ -394,9 +486,13 @@ def bench(
     # the first repeat where it always was (what kvturn plan reads), the others after it, every one raw
     payload = {"scenario": name, "description": spec.description if not workload_file else str(workload_file),
                "machine": info, "command": command_line(), "pin_workers": bool(compare and pin_workers), "seed": seed,
+               "layout": {"topology": str(layout.topology), "prefill_choice": layout.prefill_choice,
+                          "hosts": layout.hosts, "link": layout.link, "measured_link": link_measure,
+                          "prefill_kv_cache_mb": layout.prefill_kv_cache_mb,
+                          "kv_cache_mb": kv_cache_mb, "p_pool_share": p_pool_share},
                "gap_scale": gap_scale, "repeats": repeats, "verdict": {"text": words, "retention": retention},
-               "summaries": summaries,
-               "ideal_speedup": ideal, "paths": paths_verdict,
+               "summaries": summaries, "prefix_sources": sources, "answers_equal": answers,
+               "ideal_speedup": ideal, "ideal_speedup_whole_read": whole_read[0], "paths": paths_verdict,
                "conversation": shown and {"turns": transcript.turn_rows(results, shown),
                                           "messages": list(results.values())[-1].transcript},
                "legs": {leg: result.to_json() for leg, result in results.items()},
@@ -408,7 +504,8 @@ def bench(
     json_path = write_json(out_dir / "results.json", payload)
     summary_path = out_dir / "summary.md"
     summary_path.write_text(spread.markdown(f"kvturn bench: {name}", info, payload["command"], repeats, leg_spreads,
-                                            ratios, " ".join(filter(None, (words, retention))), ideal_spread))
+                                            ratios, " ".join(filter(None, (words, retention))), ideal_spread)
+                             + prefix_sources.markdown(sources))
     plots = report.plot_all(results, out_dir)
     html_path = report.write_html(out_dir / "report.html", f"kvturn bench: {name}", summaries, plots,
                                   {"machine": info, "ideal_speedup": ideal, "three paths": paths_verdict,
@@ -438,6 +535,15 @@ def plan(
                                                  "--save-calibration; give it again to pool several bench runs"),
     prefill: int = typer.Option(1, help="prefill workers"),
     decode: int = typer.Option(1, help="decode workers (and colocated workers)"),
+    topology: Optional[str] = typer.Option(None, help="NPMD, e.g. 2P2D, instead of --prefill and --decode"),
+    prefill_choice: str = option(RouterConfig, "prefill_choice"),
+    link: Optional[str] = typer.Option(None, help="the link between hosts, RATE:DELAY (e.g. 25gbit:50us): a KV read "
+                                                  "costs at least its bytes at the rate plus a round trip (default: "
+                                                  "the calibration's own reads)"),
+    link_read_fixed_ms: float = typer.Option(0.0, min=0.0, help="with --link: what one read over it costs besides "
+                                             "its bytes, ms (kvturn bench --hosts netns prints it for its link)"),
+    prefill_kv_cache_mb: Optional[int] = typer.Option(None, min=1, help="each prefill worker's KV pool, MiB (its "
+                                                      "prefix cache's size; default --kv-cache-mb)"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
     prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
                                                    help="whether prefill workers keep a prefix cache"),
@@ -452,6 +558,8 @@ def plan(
                                                       "keeps its own start times)"),
     turns: int = typer.Option(4, help="turns per session in the built-in scenarios"),
     max_prompt_tokens: int = typer.Option(8192, help="longest first-turn prompt of the sweep scenario"),
+    gap_scale: float = typer.Option(1.0, "--gap-scale", min=0.0, help="multiply a scenario's think times, as "
+                                    "kvturn bench --gap-scale"),
     seed: int = typer.Option(0),
     one_host: bool = typer.Option(False, "--one-host", help="all workers share this machine's cores, as kvturn bench "
                                                             "--compare runs them (slowdown calibrated from the run)"),
@@ -483,6 +591,20 @@ def plan(
     if policy not in planner.POLICY_LEGS:
         raise typer.BadParameter(f"policy must be one of {sorted(planner.POLICY_LEGS)}")
     chosen = chosen_legs(legs)
+    from kvturn.config import PREFILL_CHOICES
+    if prefill_choice not in PREFILL_CHOICES:
+        raise typer.BadParameter(f"--prefill-choice must be one of {PREFILL_CHOICES}")
+    try:
+        if topology:
+            from kvturn.bench.topology import Topology
+            shape = Topology.parse(topology)
+            prefill, decode = shape.prefill, shape.decode
+        plan_link = None
+        if link:
+            from kvturn.bench.netns import Link
+            plan_link = Link.parse(link)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     try:
         ttl_values = [float(t) for t in ttls.split(",") if t.strip()]
         budget_shares = tuple(float(b) for b in host_budgets.split(",") if b.strip())
@@ -507,7 +629,8 @@ def plan(
         cost_model = calibration.load_many(calibration_files)
         clients = sessions or (SCENARIOS[scenario].sessions if scenario else 1)
         if scenario:
-            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients)
+            workload = trace.from_scenario(scenario, resolve_model(model), seed, max_prompt_tokens, turns, clients,
+                                           sessions, gap_scale)
         else:
             workload = trace.load(workload_file, lambda: resolve_model(model), seed, clients)
         predict.bounded(workload, cost_model)
@@ -518,7 +641,11 @@ def plan(
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
                             decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                             retained_kv_budget_mb=retained_kv_budget_mb,
-                            kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host)
+                            kv_recompute_threshold_tokens=kv_recompute_threshold_tokens, one_host=one_host,
+                            prefill_kv_cache_mb=prefill_kv_cache_mb, prefill_choice=prefill_choice,
+                            link_bits_per_s=plan_link.rate_bits_per_s if plan_link else None,
+                            link_delay_s=plan_link.delay_s if plan_link else 0.0,
+                            link_read_fixed_ms=link_read_fixed_ms if plan_link else 0.0)
     if scenario:
         deployment = planner.with_scenario(deployment, SCENARIOS[scenario])
     # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep
@@ -526,6 +653,9 @@ def plan(
     result = planner.plan(workload, cost_model, deployment, chosen, policy, prefix_caching_on_prefill, ttl_values,
                           budget_shares, reuse_target)
     report.print_plan(result, console)
+    if plan_link:
+        console.print(f"link {plan_link.text}: reads priced at its rate and delay; the compute is the calibration's "
+                      f"({cost_model.source}): another machine's compute this plan cannot know")
     console.print(f"JSON: {report.write(result, out or Path('results') / f'plan-{workload.name}')}")
 
 

@@ -5,6 +5,7 @@ from dataclasses import MISSING, dataclass, field, fields
 ROLES = ("prefill", "decode", "both")
 BACKENDS = ("kvturn", "vllm", "auto")
 PATH_POLICIES = ("pull", "adaptive", "recompute", "compute_on_decode")
+PREFILL_CHOICES = ("least-loaded", "prefix-affine")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # Seconds kvturn's servers (workers, router) keep an idle HTTP connection open: longer than their clients keep one
 # (the router's 4 s, aiohttp's 15 s, a proxy's 60 s), so that the client ends it. A server that closes first races
@@ -61,6 +62,8 @@ class EngineConfig:
                                             "the first on a CPU)")
     max_model_len: int | None = setting(None, "longest prompt + completion (default: the model's)")
     enable_prefix_caching: bool = setting(True, "reuse KV of earlier requests with the same prefix")
+    prefix_host_mb: int = setting(0, "host tier of the prefix cache, MiB: full blocks the pool evicts are kept there "
+                                     "and copied back on a later prefix hit (0: off)")
     dtype: str = setting("float32", "KV and compute dtype (float32 is fastest on CPUs)")
     step_history_steps: int = setting(20_000, "forward steps kept for /kv/steps (kvturn plan's calibration; "
                                               "~150 bytes each)")
@@ -68,6 +71,9 @@ class EngineConfig:
     def __post_init__(self):
         _positive(self, "block_size", "kv_cache_mb", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
                   "prefill_pack_tokens", "max_model_len", "step_history_steps")
+        _check(self.prefix_host_mb >= 0, f"prefix_host_mb must be 0 or more, got {self.prefix_host_mb}")
+        _check(not self.prefix_host_mb or self.enable_prefix_caching,
+               "prefix_host_mb needs prefix caching on: the host tier holds what the prefix cache evicts")
         _check(self.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, "
                                                                   f"got {self.dtype!r}")
 
@@ -89,13 +95,19 @@ class ConnectorConfig:
     kv_lease_max_age_s: float = setting(3600.0, "a lease is renewed (to its TTL again) each time its conversation "
                                                 "reads it, but never past this age, s")
     side_channel_timeout_s: float = setting(5.0, "give up on a peer's side channel after this long, s")
+    kv_read_overlap: bool = setting(True, "prefill reads a history layer by layer and computes each layer of the new "
+                                          "tokens as soon as that layer has arrived (off: the whole read, then the "
+                                          "compute)")
+    kv_read_layer_wait_s: float = setting(1.0, "longest a prefill step waits for one layer of a history read beside "
+                                               "it (the whole step waits), s; past it the read is given up and the "
+                                               "prompt recomputed")
     cluster_secret: str | None = setting(None, "shared secret of the cluster: peers and the router present it")
     trusted_peers: list[str] = setting([], "HOST:PORT of a peer whose side channel may be contacted for any caller")
 
     def __post_init__(self):
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")
         _positive(self, "kv_read_timeout_s", "decoder_kv_blocks_ttl_s", "kv_pin_timeout_s", "retained_kv_budget_mb",
-                  "retained_host_mb", "kv_lease_max_age_s", "side_channel_timeout_s")
+                  "retained_host_mb", "kv_lease_max_age_s", "side_channel_timeout_s", "kv_read_layer_wait_s")
         _check(self.kv_expiry_margin_s >= 0, "kv_expiry_margin_s must be >= 0")
         _check(self.kv_expiry_margin_s < self.decoder_kv_blocks_ttl_s,
                "kv_expiry_margin_s must be below decoder_kv_blocks_ttl_s, or no retained block is ever read")
@@ -187,6 +199,12 @@ class RouterConfig:
                                        "compute_on_decode (D computes the new tokens on its retained KV), "
                                        "recompute (P computes all), or adaptive (the cheapest by the costs "
                                        "the workers measured)")
+    prefill_choice: str = setting("least-loaded", "how a turn's prefill worker is chosen: least-loaded (the least "
+                                                  "predicted backlog) or prefix-affine (the conversation's own, by "
+                                                  "a hash of its key, as llm-d routes by prefix, so its later turns "
+                                                  "meet the prefix cache that holds its history)")
+    prefill_spill_ms: float = setting(2000.0, "prefix-affine: a turn goes to the least loaded prefill worker "
+                                              "instead while its own one's predicted backlog is this much above, ms")
     stall_weight: float = setting(1.0, "adaptive: how much 1 ms of waiting imposed on a decode worker's running "
                                        "requests counts against 1 ms of this turn's time to first token")
     backend: str = setting("auto", "what the workers are: kvturn, vllm (vLLM with NixlConnector, bidirectional), or "
@@ -234,6 +252,8 @@ class RouterConfig:
         _check(not set(self.admin_keys) & set(self.api_keys), "an admin key may not also be a client API key")
         _check(self.path_policy in PATH_POLICIES, f"path_policy must be one of {PATH_POLICIES}")
         _check(self.stall_weight >= 0, "stall_weight must be >= 0")
+        _check(self.prefill_choice in PREFILL_CHOICES, f"prefill_choice must be one of {PREFILL_CHOICES}")
+        _check(self.prefill_spill_ms >= 0, "prefill_spill_ms must be >= 0")
         _check(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.vllm_retention_lease_s > 5, "vllm_retention_lease_s must be above 5 s")
         _check(self.kv_recompute_threshold_tokens >= 0, "kv_recompute_threshold_tokens must be >= 0")

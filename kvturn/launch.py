@@ -73,10 +73,11 @@ def _last_written(folder: Path) -> float:
 
 
 def start(args: list[str], log_path: Path | None = None, env: dict | None = None,
-          cpus: set[int] | None = None) -> subprocess.Popen:
+          cpus: set[int] | None = None, netns: str | None = None) -> subprocess.Popen:
     """Run `python -m kvturn.cli ARGS` in its own process group; it ends when the thread that started it does. Its
     output is appended to `log_path`, which it is told (KVTURN_LOG_FILE) so that its internal errors name it. With
-    `cpus` it runs on those cores only, one compute thread on each."""
+    `cpus` it runs on those cores only, one compute thread on each; with `netns` in that named network namespace
+    (kvturn/bench/netns.py)."""
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     env = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}),
            **({LOG_FILE_ENV: str(log_path)} if log_path else {})}
@@ -85,6 +86,8 @@ def start(args: list[str], log_path: Path | None = None, env: dict | None = None
         _end_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
+        if netns:
+            enter_netns(netns)
     try:
         process = subprocess.Popen([sys.executable, "-m", "kvturn.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                                    env=env, start_new_session=True, preexec_fn=in_child)
@@ -96,6 +99,20 @@ def start(args: list[str], log_path: Path | None = None, env: dict | None = None
             log.write(f"--- kvturn launch {time.strftime('%Y-%m-%d %H:%M:%S')}: started `kvturn {args[0]}` "
                       f"as pid {process.pid}\n")
     return process
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(name_or_path: str) -> None:
+    """Move the calling thread into a network namespace: one `ip netns add` named, or a /proc/.../ns/net path."""
+    path = name_or_path if name_or_path.startswith("/") else f"/var/run/netns/{name_or_path}"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if ctypes.CDLL("libc.so.6", use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name_or_path} failed")
+    finally:
+        os.close(fd)
 
 
 def split_cores() -> dict[str, set[int]] | None:
@@ -188,17 +205,27 @@ class LocalStack:
 
     def launch(self, name: str, args: list[str], cpus: set[int] | None = None) -> None:
         self.args[name], self.cpus[name] = args, cpus
-        self.processes[name] = start(args, self.log_path(name), self.env, cpus)
+        self.processes[name] = start(args, self.log_path(name), self.env, cpus, self.netns_of(name))
         self.launched_at[name] = time.monotonic()
 
+    def netns_of(self, name: str) -> str | None:
+        """The network namespace process `name` runs in (None: this one; bench/netns.py's stack has one each)."""
+        return None
+
+    def address(self, name: str) -> str:
+        """Where process `name` listens and its peers reach it."""
+        return "127.0.0.1"
+
     def start_worker(self, name: str, role: str, extra: list[str]) -> None:
-        port = self._port()
+        port, host = self._port(), self.address(name)
         args = ["worker", "--role", role, "--port", str(port), "--model", self.model_dir,
                 "--kv-cache-mb", str(self.kv_cache_mb), *self.worker_args, *extra]
+        if host != "127.0.0.1":
+            args += ["--host", host]
         if self.bidirectional and role != "both":
             args.append("--bidirectional")
         self.launch(name, args, (self.cores or {}).get(role))
-        self.urls[name] = f"http://127.0.0.1:{port}"
+        self.urls[name] = f"http://{host}:{port}"
 
     def start(self) -> "LocalStack":
         self.start_worker_processes()
@@ -229,9 +256,10 @@ class LocalStack:
             workers += ["--tokenizer", str(self.model_dir)]  # the router counts what each turn adds
         names = [replica_name("router", i) for i in range(self.num_routers)]
         for i, name in enumerate(names):
-            port = self.base_port if i == 0 and self.base_port else self._port()
-            self.launch(name, ["router", "--port", str(port), *workers, *self.router_args])
-            self.urls[name] = f"http://127.0.0.1:{port}"
+            port, host = self.base_port if i == 0 and self.base_port else self._port(), self.address(name)
+            where = ["--host", host] if host != "127.0.0.1" else []
+            self.launch(name, ["router", "--port", str(port), *where, *workers, *self.router_args])
+            self.urls[name] = f"http://{host}:{port}"
         for name in names:
             wait_healthy(self.urls[name], self.processes[name])
 

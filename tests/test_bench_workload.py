@@ -170,8 +170,9 @@ def test_the_ideal_speedup_is_taken_at_each_conversations_longest_prompt():
     pairs = longest_turns(off, on)
     assert [(r.conversation_id, r.turn, row["bytes_d_to_p"]) for r, row in pairs] == [
         ("short", 1, 1000 * 4096), ("long", 1, 8000 * 4096)]
-    row = ideal_row(*pairs[1], raw_read_ms=10.0)
+    row = ideal_row(*pairs[1], raw_read_ms=10.0, layers=4)
     assert row["ideal_speedup"] == 800 / 40 and row["measured_speedup"] == 801 / 50
+    assert row["overlapped_ideal_speedup"] == 800 / (30 + 10 / 4)  # the read beside the suffix, a layer's share left
     assert row["fraction_of_ideal"] == (801 / 50) / 20 and row["other_ms"] == 8.0 and row["tpot_on_ms"] == 9.0
 
 

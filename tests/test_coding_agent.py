@@ -86,3 +86,13 @@ def test_the_scenario_compares_pd_bidir_and_adaptive_with_ps_cache_off():
     legs = SCENARIOS["coding-agent"].legs
     assert set(legs) == {"pd/P-cache-off", "bidir/P-cache-off", "adaptive"}
     assert not any(LEGS[leg].prefix_caching_on_prefill for leg in legs)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_sessions_sets_how_many_conversations_every_scenario_builds(tiny_model_dir, scenario):
+    source = workload.TextSource(ChatTokenizer(tiny_model_dir))
+    conversations = build_workload(scenario, source, 1, 2048, turns=2, sessions=5)
+    assert len(conversations) == 5
+    assert len({conv.conversation_id for conv in conversations}) == 5
+    with pytest.raises(ValueError, match="sessions"):
+        build_workload(scenario, source, 1, 2048, turns=2, sessions=0)

@@ -10,6 +10,7 @@ from kvturn.engine.llm_engine import LLMEngine
 from kvturn.engine.sampling import SamplingParams
 from kvturn.engine.sequence import Sequence
 from kvturn.kv_transfer.connector import KVConnector, RemoteBlocks, RetainSpec
+from kvturn.kv_transfer.layered_reads import LAYERS_IN_FLIGHT
 from kvturn.model.loader import load_model
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -67,16 +68,19 @@ def test_matching_blocks_are_read_and_the_output_is_unchanged(pair, reference):
     assert prefill.connector.stats.kv_read_bytes == len(remote.block_ids) * prefill.engine.kv_cache.layout.block_bytes
 
 
+def recycle_as_the_read_starts(nixl, epochs, block_id: int) -> None:
+    """Bump the peer's epoch of `block_id` (what handing the block out again does) as P posts its read, whole or
+    layer by layer: P's look at the epochs just before the read saw them unchanged."""
+    for name in ("start_block_read", "layer_reads"):
+        def recycled(*args, _start=getattr(nixl, name), **kwargs):
+            epochs[block_id] += 1
+            return _start(*args, **kwargs)
+        setattr(nixl, name, recycled)
+
+
 def test_blocks_recycled_during_the_read_are_caught_by_the_epoch_check(pair, reference):
     decode, prefill, remote = pair
-    nixl = prefill.connector.nixl
-    start_read = nixl.start_block_read
-
-    def recycled_as_the_read_starts(*args, **kwargs):  # P's look at the epochs before the read saw them unchanged
-        decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # what handing the block out again does
-        return start_read(*args, **kwargs)
-
-    nixl.start_block_read = recycled_as_the_read_starts
+    recycle_as_the_read_starts(prefill.connector.nixl, decode.engine.block_manager.epochs, remote.block_ids[2])
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "epoch_mismatch" and seq.num_remote_tokens == 0
     assert seq.output_token_ids == reference
@@ -119,3 +123,121 @@ def test_blocks_in_the_local_prefix_cache_are_not_read(model, reference):
     assert seq.reuse_outcome == "covered_locally" and seq.num_remote_tokens == 0
     assert seq.num_cached_tokens >= len(block_hashes(PROMPT[:150], 16)) * 16
     assert seq.output_token_ids == reference
+
+
+class SlowLink:
+    """Holds back what NIXL reports of a layered read, as a slow link would: layer l's transfer reads as in
+    progress until `arrived` says it is in (the bytes themselves moved for real when it was posted)."""
+
+    def __init__(self, nixl, fail_layer: int | None = None, stuck_layer: int | None = None):
+        self.nixl, self.fail_layer, self.stuck_layer = nixl, fail_layer, stuck_layer
+        self.layers: list = []  # handles of the layered read, in layer order
+        self.arrived = 0
+        self.looked_at: set = set()
+        self.posted_with: list[tuple[int, int]] = []  # (layer posted, layers arrived by then)
+        self.computed_with: list[tuple[int, int]] = []  # (layer about to compute, layers arrived by then)
+        self._poll, self._layer_reads = nixl.poll, nixl.layer_reads
+        nixl.poll, nixl.layer_reads = self.poll, self.layer_reads
+
+    def layer_reads(self, *args):
+        post = self._layer_reads(*args)
+
+        def posted(layer):
+            handle = post(layer)
+            self.layers.append(handle)
+            self.posted_with.append((layer, self.arrived))
+            return handle
+        return posted
+
+    def poll(self, handle):
+        if handle in self.layers:
+            layer = self.layers.index(handle)
+            if layer == self.fail_layer:
+                return "ERR"
+            if layer == self.stuck_layer:
+                return "PROC"  # a peer that stopped mid-read
+            if layer > self.arrived:
+                return "PROC"  # layers arrive in order...
+            if handle not in self.looked_at:
+                self.looked_at.add(handle)
+                return "PROC"  # ...each a look after the one before it
+            state = self._poll(handle)
+            self.arrived += state == "DONE"
+            return state
+        return self._poll(handle)
+
+
+def computing_layers(node: Node, link: SlowLink) -> None:
+    """Record, before each layer the engine computes, how many layers of the read had arrived."""
+    run = node.engine.runner.run
+
+    def recorded(batch, before_layer=None):
+        def hook(layer):
+            if before_layer is not None:
+                before_layer(layer)
+            link.computed_with.append((layer, link.arrived))
+        return run(batch, hook)
+
+    node.engine.runner.run = recorded
+
+
+def test_a_layered_read_computes_each_layer_once_it_has_arrived_and_not_after_all(pair, reference):
+    _, prefill, remote = pair
+    link = SlowLink(prefill.connector.nixl)
+    computing_layers(prefill, link)
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
+    layers = prefill.engine.kv_cache.layout.num_layers
+    first_step = link.computed_with[:layers]
+    assert [layer for layer, _ in link.posted_with] == list(range(layers))
+    assert all(layer < arrived + LAYERS_IN_FLIGHT for layer, arrived in link.posted_with)  # a window, not all at once
+    assert all(arrived > layer for layer, arrived in first_step)  # never computed on a layer still on its way
+    assert first_step[0][1] < layers  # layer 0 computed while later layers were still arriving
+    assert seq.timing.kv_read_s > 0 and seq.num_remote_tokens == len(remote.block_ids) * 16
+
+
+def test_a_layer_that_fails_mid_read_makes_the_sequence_recompute_with_no_block_lost(pair, reference):
+    _, prefill, remote = pair
+    SlowLink(prefill.connector.nixl, fail_layer=1)
+    free_before = prefill.engine.block_manager.num_free_blocks
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "read_failed" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+    for _ in range(100):
+        prefill.engine.step()  # the abandoned read's blocks come back once NIXL is done with them
+        if not prefill.connector.abandoned:
+            break
+    assert not prefill.connector.abandoned and prefill.engine.block_manager.num_free_blocks == free_before
+
+
+def test_recycled_blocks_are_caught_after_a_layered_read_and_its_token_is_not_kept(pair, reference):
+    decode, prefill, remote = pair
+    SlowLink(prefill.connector.nixl)
+    recycle_as_the_read_starts(prefill.connector.nixl, decode.engine.block_manager.epochs, remote.block_ids[-1])
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "epoch_mismatch" and seq.output_token_ids == reference
+
+
+def test_with_overlap_off_the_history_is_read_whole_before_any_compute(model, reference):
+    decode = Node(model)
+    prefill = Node(model, prefix_caching=False)
+    prefill.connector.config.kv_read_overlap = False
+    turn = decode.run(Sequence("turn1", PROMPT[:150], PARAMS, retain=RetainSpec(60, "conv", False)))
+    prefill.connector.nixl.add_peer(decode.connector.nixl.local_info())
+    lease = turn.retained
+    remote = RemoteBlocks(decode.connector.engine_id, lease["block_ids"], lease["block_hashes"],
+                          lease["block_epochs"], lease["expiry_time"], lease["handle"], lease["num_tokens"])
+    link = SlowLink(prefill.connector.nixl)
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "reused" and seq.output_token_ids == reference
+    assert link.layers == [] and seq.timing.kv_read_hidden_s == 0
+
+
+def test_a_layer_that_never_arrives_holds_the_step_only_so_long_then_the_prompt_recomputes(pair, reference):
+    _, prefill, remote = pair
+    prefill.connector.config.kv_read_layer_wait_s = 0.2
+    SlowLink(prefill.connector.nixl, stuck_layer=2)
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    assert seq.reuse_outcome == "peer_unreachable" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+    assert prefill.connector.abandoned  # its blocks stay out of use while NIXL may still write them

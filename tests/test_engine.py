@@ -60,9 +60,9 @@ def test_prompts_share_a_step_only_up_to_the_pack_limit(tiny_model_dir, prompts,
     llm = LLM(tiny_model_dir, EngineConfig(kv_cache_mb=32, enable_prefix_caching=False, prefill_pack_tokens=100))
     steps, run = [], llm.engine.runner.run
 
-    def recorded(batch):
+    def recorded(batch, before_layer=None):
         steps.append([(seq.num_computed_tokens, n) for seq, n in batch if seq.num_output_tokens == 0])
-        return run(batch)
+        return run(batch, before_layer)
 
     llm.engine.runner.run = recorded
     assert llm.generate(prompts, GREEDY) == uncached
@@ -216,6 +216,9 @@ def test_start_up_calibration_times_what_the_pool_holds_within_its_budget(tiny_m
     from kvturn.engine import calibration
     llm = LLM(tiny_model_dir, EngineConfig(num_kv_blocks=200))  # 3200 tokens: the 4096-token chain cannot fit
     free = llm.engine.block_manager.num_free_blocks
+    # a budget and a lock wait no loaded machine runs out of: which chains fit is what is checked here
+    monkeypatch.setattr(calibration, "BUDGET_S", 600.0)
+    monkeypatch.setattr(calibration, "LOCK_WAIT_S", 600.0)
     steps = calibration.time_prefill_steps(llm.engine)
     assert [(s["new_tokens"], s["context_tokens"]) for s in steps] == [(512, 0), (2048, 0), (256, 2048)]
     assert all(s["ms"] > 0 for s in steps) and llm.engine.block_manager.num_free_blocks == free

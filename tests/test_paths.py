@@ -154,6 +154,29 @@ def test_compute_on_decode_reads_nothing_and_answers_as_a_colocated_worker(stack
 
 
 @pytest.mark.integration
+def test_a_layered_reads_hidden_part_is_not_the_turns_but_still_its_speed():
+    # 40 ms of read, 30 of them under the compute of its own step: the turn waited 10 ms for it; the link took 40.
+    timing = {"prefill_compute_ms": 50.0, "kv_read_ms": 40.0, "kv_read_step_ms": 0.0, "kv_read_hidden_ms": 30.0}
+    assert reports.own_read_ms("prefill", timing) == pytest.approx(10.0)
+    model = CostModel()
+    report = {"prompt_tokens_computed": 300, "prompt_tokens_remote": 4096, "kv_read_bytes": 16 * 2**20,
+              "timing": timing}
+    for _ in range(fits.MIN_SAMPLES):
+        model.observe_prefill("prefill", report)
+    assert model.read_ms_per_mib.value == pytest.approx(40.0 / 16)
+
+
+def test_a_pull_read_beside_its_compute_costs_the_longer_plus_a_layers_share_of_the_shorter():
+    model = CostModel()
+    assert model.pull_ms(300.0, 100.0) == 400.0
+    model.observe_read_overlap(10)
+    assert model.pull_ms(300.0, 100.0) == pytest.approx(310.0)
+    assert model.pull_ms(100.0, 300.0) == pytest.approx(310.0)
+    for hostile in (-1, "30", 1.5, None, 10**9):
+        model.observe_read_overlap(hostile)
+    assert model.read_overlap_layers == 10
+
+
 def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_decode_stack):
     import httpx
     for name in ("prefill", "decode0"):
@@ -161,6 +184,8 @@ def test_workers_time_prefill_steps_at_start_up_and_the_router_learns_them(on_de
         shapes = [(s["new_tokens"], s["context_tokens"]) for s in steps]
         assert (512, 0) in shapes and any(context > 0 for _, context in shapes)
         assert all(s["ms"] > 0 for s in steps)
+    overlap = httpx.get(f"{on_decode_stack.urls['prefill']}/kv/calibration").json()["kv_read_overlap_layers"]
+    assert overlap >= 1  # the default: P reads a history layer by layer beside its compute
     metrics = httpx.get(f"{on_decode_stack.url}/metrics").text
     for role in ("prefill", "decode"):
         learned = [line for line in metrics.splitlines()

@@ -76,5 +76,5 @@ def test_every_reason_is_exported_for_metrics():
     reasons = {policy.EXPIRED, policy.BELOW_THRESHOLD, policy.HASH_MISMATCH, policy.EPOCH_MISMATCH,
                policy.PEER_UNREACHABLE, policy.LEASE_UNKNOWN, policy.READ_FAILED, policy.COVERED_LOCALLY,
                policy.LAYOUT_MISMATCH, policy.UNTRUSTED_PEER, policy.BAD_PEER_REPLY, policy.UNSIGNED_RECORD,
-               policy.LEASE_ENDED}
+               policy.PREEMPTED, policy.LEASE_ENDED}
     assert reasons == set(policy.DECLINE_REASONS)

@@ -37,11 +37,14 @@ class RequestRecord:
     reuse: str | None = None
     prompt_tokens_computed_prefill: int | None = None
     prompt_tokens_from_decode: int | None = None
+    prompt_tokens_cached_prefill: int | None = None  # P's prefix cache (a colocated worker's own)...
+    prompt_tokens_cached_prefill_host: int | None = None  # ...of them, from its host tier
     queue_ms: float | None = None
     engine_wait_ms: float | None = None  # P's (a colocated worker's) engine's own wait to run it: queue, read from D
     prefill_compute_ms: float | None = None
     d_to_p_read_ms: float | None = None
     d_to_p_read_step_ms: float | None = None  # of it, P's engine steps for other prompts before it was seen done
+    d_to_p_read_hidden_ms: float | None = None  # of it, what P's compute of the turn's own tokens covered
     p_to_d_read_ms: float | None = None
     prefill_request_ms: float | None = None  # the router's round trip to P
     decode_ttft_ms: float | None = None  # D's own, from its receipt of the request
@@ -59,6 +62,7 @@ class RequestRecord:
     # tokenize back to the tokens it generated); None: not counted
     answer_text_tokens: int | None = None
     kv_tier: str | None = None  # which tier of D's the history was read from (pool or host)
+    prefill_worker: str | None = None  # which P served the turn (placement.py: did it meet its history?)
     side_channel_ms: float | None = None  # P asking D for its lease before the read (none when the record sufficed)
     answer_digest: str | None = None  # of the answer's text: legs' greedy answers compare by it
     error: str | None = None
@@ -75,6 +79,8 @@ class RequestRecord:
         """A part of the time to first token, ms: D's read and compute are not in it when P's token went ahead."""
         if part in ("p_to_d_read_ms", "decode_compute_ms") and self.first_token_from == "prefill":
             return 0.0
+        if part == "d_to_p_read_ms":  # read layer by layer, its hidden part is inside the compute's time
+            return max((self.d_to_p_read_ms or 0.0) - (self.d_to_p_read_hidden_ms or 0.0), 0.0)
         return getattr(self, part) or 0.0
 
 
@@ -99,6 +105,8 @@ class RunResult:
     # role -> the forward steps its worker ran during the run (its /kv/steps), when the bench launched it
     worker_steps: dict[str, list] = field(default_factory=dict)
     transcript: list[dict] = field(default_factory=list)  # the messages of the first conversation, answers included
+    # with --hosts netns: bytes each host's link carried during the run, into and out of its namespace
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     # role -> its worker's retention counters at the end of the run (compare.worker_counters), when the bench launched it
     worker_counters: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -106,7 +114,7 @@ class RunResult:
         return {"requests": [asdict(r) for r in self.requests], "sessions": [asdict(s) for s in self.sessions],
                 "retained_kv": self.retained_kv, "runtime_s": self.runtime_s,
                 "worker_calibration": self.worker_calibration, "worker_steps": self.worker_steps,
-                "transcript": self.transcript, "worker_counters": self.worker_counters}
+                "transcript": self.transcript, "link_bytes": self.link_bytes, "worker_counters": self.worker_counters}
 
 
 class RateLimiter:
@@ -219,6 +227,11 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.reuse = kvturn.get("reuse")
         record.prompt_tokens_computed_prefill = kvturn.get("prompt_tokens_computed_prefill")
         record.prompt_tokens_from_decode = kvturn.get("prompt_tokens_from_decode")
+        record.prompt_tokens_cached_prefill = kvturn.get("prompt_tokens_cached_prefill",
+                                                         kvturn.get("prompt_tokens_cached"))
+        record.prompt_tokens_cached_prefill_host = kvturn.get("prompt_tokens_cached_prefill_host",
+                                                              kvturn.get("prompt_tokens_cached_host"))
+        record.prefill_worker = kvturn.get("prefill_worker") or None
         record.queue_ms = timing.get("queue_ms")
         # P's own account (the router passes it whole), or a colocated worker's, which is its timing
         own = kvturn.get("prefill_timing")
@@ -226,6 +239,7 @@ async def one_turn(client: httpx.AsyncClient, url: str, model: str, messages: li
         record.prefill_compute_ms = timing.get("prefill_compute_ms")
         record.d_to_p_read_ms = timing.get("d_to_p_read_ms")
         record.d_to_p_read_step_ms = timing.get("d_to_p_read_step_ms")
+        record.d_to_p_read_hidden_ms = timing.get("d_to_p_read_hidden_ms")
         record.p_to_d_read_ms = timing.get("p_to_d_read_ms")
         record.prefill_request_ms = timing.get("prefill_request_ms")
         record.decode_ttft_ms = timing.get("decode_ttft_ms")

@@ -6,6 +6,7 @@ while a benchmark's load runs, by `benchmarks/memory_pressure.py`.
 `python -m kvturn.bench.nixl_read --probe NBYTES INTERVAL_S MODEL_DIR` the probe.
 """
 import json
+import os
 import select
 import statistics
 import subprocess
@@ -59,9 +60,14 @@ def median_seconds(fns: list, repeats: int) -> list[float]:
 class ReadBench:
     """This process reads from a second process's pool and raw buffer."""
 
-    def __init__(self, model_dir: str | Path, pool_mib: int):
+    def __init__(self, model_dir: str | Path, pool_mib: int, remote_netns: str | None = None, env: dict | None = None):
+        """`remote_netns`: the network namespace the remote side runs in (bench/netns.py), `env` its extra
+        environment (UCX's transports)."""
+        from kvturn.launch import enter_netns
         self.remote = subprocess.Popen([sys.executable, "-m", "kvturn.bench.nixl_read", "--serve", str(pool_mib),
-                                        str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                        str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                       env={**os.environ, **(env or {})},
+                                       preexec_fn=(lambda: enter_netns(remote_netns)) if remote_netns else None)
         line = ""
         while not line.startswith("HELLO "):  # NIXL logs to stdout too
             line = self.remote.stdout.readline()

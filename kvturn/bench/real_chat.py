@@ -29,10 +29,12 @@ def tool_result(code, question: str) -> str:
     return f"$ python -c 'import inspect; print(inspect.getsource({name}))'\n{inspect.getsource(code)}\n{question}"
 
 
-def conversations(turns: int = len(STEPS), answer_tokens: int = 64) -> list[Conversation]:
-    """One session of `turns` turns (at most len(STEPS)); answers end at the model's own end of turn."""
-    return [Conversation("python-help", SYSTEM, [Turn(tool_result(code, question), answer_tokens)
-                                                 for code, question in STEPS[:turns]])]
+def conversations(turns: int = len(STEPS), answer_tokens: int = 64, sessions: int = 1) -> list[Conversation]:
+    """`sessions` sessions (the same questions, ids of their own) of `turns` turns (at most len(STEPS)); answers
+    end at the model's own end of turn."""
+    return [Conversation("python-help" if i == 0 else f"python-help-{i}", SYSTEM,
+                         [Turn(tool_result(code, question), answer_tokens) for code, question in STEPS[:turns]])
+            for i in range(sessions)]
 
 
 def question_of(user_text: str) -> str:

@@ -174,13 +174,13 @@ def load_file(path: Path, tokenizer, seed: int) -> list[Conversation]:
 
 
 def sweep(source: TextSource, seed: int, system_tokens: list[int], turns: int, new_tokens: int,
-          answer_tokens: int) -> list[Conversation]:
+          answer_tokens: int, id_suffix: str = "") -> list[Conversation]:
     """One session per first-turn length (the published vLLM run's shape: prefix swept, fixed turns)."""
     conversations = []
     for length in system_tokens:
         spec = SyntheticSpec(num_sessions=1, system_tokens=length, num_turns=turns, new_tokens=new_tokens,
                              answer_tokens=answer_tokens)
-        conversations += synthetic(spec, source, seed + length, id_prefix=f"sweep{length}")
+        conversations += synthetic(spec, source, seed + length, id_prefix=f"sweep{length}{id_suffix}")
     return conversations
 
 

@@ -27,6 +27,8 @@ class CostModel:
         self.host_read_ms_per_mib = Typical(0.5)
         self.host_restore_ms_per_mib = Typical(0.25)
         self.bytes_per_token = Mean(4096.0)
+        # P computes each layer of the new tokens as that layer of the history arrives (0: it reads, then computes)
+        self.read_overlap_layers = 0
         self.other_ms = {path: Typical(15.0 if path != COMPUTE_ON_DECODE else 5.0) for path in PATHS}
         self.tokens = TokenEstimator()
         # Tokens at the end of the lease that the next prompt does not share (its last blocks: the answer's last
@@ -97,6 +99,19 @@ class CostModel:
             per_mib = self.host_read_ms_per_mib.value
         return tokens * self.bytes_per_token.value / 2**20 * per_mib
 
+    def observe_read_overlap(self, layers) -> None:
+        """A prefill worker's /kv/calibration says whether it overlaps its reads with compute, over how many layers."""
+        if type(layers) is int and 0 <= layers <= 4096:
+            self.read_overlap_layers = layers
+
+    def pull_ms(self, read_ms: float, compute_ms: float) -> float:
+        """A pull's read then compute; read layer by layer beside the compute, the longer of the two plus one layer's
+        share of the shorter (the first layer's read before any compute, or the last layer's compute after it)."""
+        layers = self.read_overlap_layers
+        if not layers:
+            return read_ms + compute_ms
+        return max(read_ms, compute_ms) + min(read_ms, compute_ms) / layers
+
     def restore_ms(self, tokens: int) -> float:
         """D copying `tokens` of history back from its host tier into its pool (compute on decode)."""
         return tokens * self.bytes_per_token.value / 2**20 * self.host_restore_ms_per_mib.value
@@ -127,6 +142,8 @@ class CostModel:
         if not shared_steps(report):
             self.prefill[role].add(computed, context, timing.get("prefill_compute_ms") or 0.0)
         read_bytes, read_ms = report.get("kv_read_bytes") or 0, own_read_ms(role, timing)
+        if role == "prefill":  # a read's speed is its whole time, the part its own step's compute hid included
+            read_ms += timing.get("kv_read_hidden_ms") or 0.0
         # A read that P's steps overlapped teaches no speed: over shared memory what is left of it is its own cost,
         # but over a NIC the transfer runs beside the steps, and what is left would say it cost nothing.
         overlapped = role == "prefill" and (timing.get("kv_read_step_ms") or 0.0) > 0

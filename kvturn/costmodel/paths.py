@@ -24,6 +24,7 @@ class TurnView:
     first_token_ahead: bool = False  # the router streams P's first token itself: D's part is not in the TTFT
     decode_step_ms: float = 0.0  # one engine step of the holding decode worker now (its running decodes share it)
     retained_tier: str = "pool"  # where the decode worker likely holds the lease: its pool, or its host tier
+    prefill_cached_tokens: int = 0  # of the prompt, what the chosen prefill worker's prefix cache likely holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +61,13 @@ def predict(model: CostModel, turn: TurnView) -> dict[str, Estimate]:
     if queue is None:
         queue = turn.prefill_in_flight * model.prefill_request_ms.value
     handoff = 0.0 if turn.first_token_ahead else model.read_ms(new, "p_to_d")  # D reads the new blocks before its token
-    full = model.compute_ms("prefill", turn.prompt_tokens, 0)
-    out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full, turn.prompt_tokens)}
+    cached = min(max(turn.prefill_cached_tokens, 0), turn.prompt_tokens - 1)  # P computes the rest itself
+    full = model.compute_ms("prefill", turn.prompt_tokens - cached, cached)
+    out = {RECOMPUTE: Estimate(queue, full + handoff, model.other_ms[RECOMPUTE].value, 0.0, full,
+                               turn.prompt_tokens - cached)}
     if turn.retained_tokens > 0:
-        pull = model.read_ms(retained, tier=turn.retained_tier) + model.compute_ms("prefill", new, retained)
+        read = model.read_ms(max(retained - cached, 0), tier=turn.retained_tier)  # P reads what it lacks
+        pull = model.pull_ms(read, model.compute_ms("prefill", new, retained))
         out[PULL] = Estimate(queue, pull + handoff, model.other_ms[PULL].value, 0.0, pull, new)
     if turn.retained_tokens > 0 and turn.decode_available:
         # D's measured compute of a prompt includes the decodes it shares its step with; before that step the

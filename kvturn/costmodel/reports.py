@@ -12,11 +12,13 @@ def reported_prompt_tokens(report: dict | None) -> int:
 
 def own_read_ms(role: str, timing: dict) -> float:
     """A worker's KV read time, less on P the engine steps that ran before the read was seen done
-    (`kv_read_step_ms`: other prompts' work, which the queue model counts). D's keeps them: its step under way is
-    part of what a handoff costs the turn."""
+    (`kv_read_step_ms`: other prompts' work, which the queue model counts) and what its own step's compute covered
+    (`kv_read_hidden_ms`, a read posted layer by layer). D's keeps them: its step under way is part of what a
+    handoff costs the turn."""
     read_ms = timing.get("kv_read_ms") or 0.0
     if role == "prefill":
-        read_ms -= min(max(timing.get("kv_read_step_ms") or 0.0, 0.0), read_ms)
+        beside = max(timing.get("kv_read_step_ms") or 0.0, 0.0) + max(timing.get("kv_read_hidden_ms") or 0.0, 0.0)
+        read_ms -= min(beside, read_ms)
     return read_ms
 
 

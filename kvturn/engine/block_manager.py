@@ -9,6 +9,7 @@ recycled, without asking its holder.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import xxhash
@@ -67,6 +68,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.epochs = np.zeros(num_blocks, dtype=np.int64)
+        # told of each cached full block before it gets new contents (block id, hash, tokens): the prefix cache's
+        # host tier (prefix_host.py) keeps a copy
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -116,6 +120,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
+            if self.on_evict is not None:
+                self.on_evict(block_id, block.hash, block.token_ids)
         block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
         self.epochs[block_id] += 1
         return block_id

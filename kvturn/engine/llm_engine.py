@@ -15,6 +15,7 @@ from kvturn.config import EngineConfig
 from kvturn.engine.block_manager import BlockManager
 from kvturn.engine.kv_cache import KVCache, KVLayout
 from kvturn.engine.model_runner import ModelRunner
+from kvturn.engine.prefix_host import PrefixHostTier
 from kvturn.engine.sampling import TokenLogprob
 from kvturn.engine.scheduler import Scheduler
 from kvturn.engine.sequence import Sequence
@@ -43,7 +44,10 @@ class Connector(Protocol):
     def poll(self) -> None: ...
     def on_finish(self, seq: Sequence) -> None: ...
     def on_abort(self, seq: Sequence) -> None: ...
+    def on_preempt(self, seq: Sequence) -> None: ...
     def has_work(self) -> bool: ...
+    def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> Callable[[int], None] | None: ...
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]: ...
 
     @property
     def waiting_on_reads(self) -> bool: ...
@@ -64,8 +68,13 @@ class LLMEngine:
                         num_blocks * config.block_size)
             self.max_model_len = num_blocks * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        host_slots = config.prefix_host_mb * 2**20 // block_bytes if config.enable_prefix_caching else 0
+        self.prefix_host = PrefixHostTier(self.kv_cache, host_slots) if host_slots else None
+        if self.prefix_host is not None:
+            self.block_manager.on_evict = self.prefix_host.keep
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._reclaim_retained, config.prefill_pack_tokens)
+                                   self._reclaim_retained, config.prefill_pack_tokens, self.prefix_host,
+                                   self._on_preempt)
         self.runner = ModelRunner(model, self.kv_cache)
         self.connector: Connector | None = None
         self.emit = emit
@@ -145,18 +154,26 @@ class LLMEngine:
         for seq, _ in batch:
             if seq.timing.first_scheduled is None:
                 seq.timing.first_scheduled = started
-        sampled = self.runner.run(batch)
+        # A connector reading some of the batch's history layer by layer has the forward wait for each layer, and
+        # then says whose read failed: nothing of this step counts for those.
+        wait = self.connector.layer_waiter(batch) if self.connector else None
+        sampled = self.runner.run(batch, wait)
+        rejected = self.connector.step_done(batch) if wait else set()
         elapsed = time.perf_counter() - started
         self.step_seconds += elapsed
-        self.steps.record(step_record(batch, started_wall, elapsed, time.thread_time() - started_cpu))
+        compute = elapsed - (wait.waited_s if wait else 0.0)  # the time the step waited for layers is the read's
+        self.steps.record(step_record(batch, started_wall, compute, time.thread_time() - started_cpu))
+        batch = [(seq, num_new) for seq, num_new in batch if seq not in rejected]
         prompt_tokens = sum(num_new for seq, num_new in batch if seq.num_output_tokens == 0)
         for seq, num_new in batch:
             if seq.num_output_tokens == 0:
-                seq.timing.prefill_compute_s += elapsed
+                seq.timing.prefill_compute_s += compute
                 seq.timing.prefill_shared_tokens += prompt_tokens - num_new
             seq.num_computed_tokens += num_new
             self.publish_full_blocks(seq)
         for seq, (token_id, logprob) in sampled.items():
+            if seq in rejected:
+                continue
             if seq.first_token_id is not None and seq.num_output_tokens == 0:
                 token_id = seq.first_token_id  # the client may hold it already (see Sequence.first_token_id)
             self.append_token(seq, token_id, logprob)
@@ -202,6 +219,7 @@ class LLMEngine:
         stats.requests_finished += 1
         stats.prompt_tokens += seq.num_prompt_tokens
         stats.prompt_tokens_cached += seq.num_cached_tokens
+        stats.prompt_tokens_cached_host += seq.num_host_cached_tokens
         stats.prompt_tokens_remote += seq.num_remote_tokens
         stats.prompt_tokens_computed += seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens
 
@@ -218,6 +236,10 @@ class LLMEngine:
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.block_manager.publish(seq.block_table[i], hashes[i], tokens)
         seq.num_published_blocks = max(seq.num_published_blocks, full)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self.connector:
+            self.connector.on_preempt(seq)
 
     def _on_admit(self, seq: Sequence, full_hashes: list[int]) -> None:
         if self.connector:

@@ -1,4 +1,6 @@
 """Turns a scheduled batch into model inputs over the paged KV pool, runs the model, samples."""
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -16,9 +18,11 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> dict[Sequence, tuple[int, TokenLogprob | None]]:
+    def run(self, batch: list[tuple[Sequence, int]], before_layer: Callable[[int], None] | None = None
+            ) -> dict[Sequence, tuple[int, TokenLogprob | None]]:
         """Compute the scheduled tokens; returns a sampled token (and its logprob when asked for) for each
-        sequence that reached its end."""
+        sequence that reached its end. `before_layer(l)` is called before layer l (a read may still be filling
+        some of the batch's history, layer by layer)."""
         prefills = [(s, n) for s, n in batch if n > 1]
         decodes = [(s, n) for s, n in batch if n == 1]
         ids, positions, spans = [], [], []
@@ -32,7 +36,7 @@ class ModelRunner:
         slots = torch.from_numpy(np.concatenate([self._write_slots(seq, n) for seq, n in prefills + decodes]))
         contexts = [context_of(seq.block_table, seq.num_computed_tokens + 1, self.block_size) for seq, _ in decodes]
         meta = AttentionMetadata(slots, spans, decode_token_start=len(ids) - len(decodes), decode_contexts=contexts)
-        hidden = self.model(torch.tensor(ids), positions_t, self.kv_cache.pool, meta)
+        hidden = self.model(torch.tensor(ids), positions_t, self.kv_cache.pool, meta, before_layer)
         rows, sampled_seqs, end = [], [], 0
         for seq, num_new in prefills + decodes:
             end += num_new

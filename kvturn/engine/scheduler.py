@@ -12,6 +12,7 @@ from collections import deque
 from typing import Callable
 
 from kvturn.engine.block_manager import BlockManager
+from kvturn.engine.prefix_host import PrefixHostTier
 from kvturn.engine.sequence import Sequence, Status
 
 
@@ -37,13 +38,16 @@ class _Step:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 reclaim_retained: Callable[[Sequence], bool], prefill_pack_tokens: int | None = None):
+                 reclaim_retained: Callable[[Sequence], bool], prefill_pack_tokens: int | None = None,
+                 prefix_host: PrefixHostTier | None = None, on_preempt: Callable[[Sequence], None] | None = None):
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_pack_tokens = prefill_pack_tokens or max_num_batched_tokens
         self.reclaim_retained = reclaim_retained
+        self.prefix_host = prefix_host
+        self.on_preempt = on_preempt  # told before a sequence's blocks are freed (a read may be filling them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []
@@ -125,13 +129,22 @@ class Scheduler:
                 return None
         for block_id in hit:
             bm.take(block_id)
+        # The pool's hits continue in the prefix cache's host tier, found before the new blocks are handed out (their
+        # evictions go to the region too) and copied back after, as far as the region's checks allow.
+        host_hits = self.prefix_host.lookup(seq.token_ids, reusable, len(hit), self.block_size) if self.prefix_host else []
         # In runs of consecutive ids where the pool has them free: attention reads a run in place, and a NIXL read of
         # blocks consecutive on both sides is one descriptor per layer instead of that many per block.
         seq.block_table = list(hit)
         for _ in range(total_blocks - len(hit)):
             seq.block_table.append(bm.allocate_new(after=seq.block_table[-1] if seq.block_table else None))
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
-        seq.num_published_blocks = len(hit)
+        restored = self.prefix_host.restore(host_hits, seq.block_table[len(hit):]) if host_hits else 0
+        cached = len(hit) + restored
+        for i in range(len(hit), cached):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            bm.publish(seq.block_table[i], hashes[i], tokens)
+        seq.num_computed_tokens = seq.num_cached_tokens = cached * self.block_size
+        seq.num_host_cached_tokens = restored * self.block_size
+        seq.num_published_blocks = cached
         return hashes
 
     def _ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
@@ -151,6 +164,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it recomputes from scratch when readmitted."""
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         self.running.remove(seq)
         self.block_manager.release_all(seq.block_table)
         seq.block_table, seq.num_computed_tokens, seq.num_published_blocks = [], 0, 0

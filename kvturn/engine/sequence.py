@@ -27,6 +27,7 @@ class Timing:
     submitted: float | None = None
     kv_read_s: float = 0.0
     kv_read_step_s: float = 0.0  # of kv_read_s, the engine's steps that ran meanwhile (a read is seen done between them)
+    kv_read_hidden_s: float = 0.0  # of kv_read_s, what its own step's compute covered (a read posted layer by layer)
     prefill_compute_s: float = 0.0
     prefill_shared_tokens: int = 0  # other prompts' tokens computed in the steps of its prefill (they share the time)
     kv_read_bytes: int = 0
@@ -48,6 +49,7 @@ class Sequence:
         self.num_published_blocks = 0
         self.block_hashes: list[int] = []  # chained hashes of its full blocks of tokens so far (full_block_hashes)
         self.num_cached_tokens = 0  # served from the local prefix cache
+        self.num_host_cached_tokens = 0  # ...of them, copied back from its host tier (engine/prefix_host.py)
         self.num_remote_tokens = 0  # read from a peer
         self.remote = remote  # the KV connector's record of blocks to read from a peer
         self.first_token_id: int | None = None  # sampled already elsewhere (P): continue from it, do not sample

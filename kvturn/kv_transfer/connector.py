@@ -23,6 +23,7 @@ from kvturn.engine.sequence import Sequence, Status
 from kvturn.kv_transfer import policy, retention
 from kvturn.kv_transfer.histogram import READ_BYTES_BOUNDS, READ_SECONDS_BOUNDS, Buckets
 from kvturn.kv_transfer.host_tier import HostTier
+from kvturn.kv_transfer.layered_reads import AbandonedRead, LayeredReads, LayerWait
 from kvturn.kv_transfer.leases import LeaseTable
 from kvturn.kv_transfer.nixl_agent import DONE, IN_PROGRESS, KVTransferAgent
 from kvturn.kv_transfer.params import HOST, POOL
@@ -85,13 +86,6 @@ class PendingLoad:
     reading_epochs: bool = False
 
 
-@dataclass(slots=True)
-class AbandonedRead:
-    """A read we gave up on: its target blocks stay held until NIXL is done with them."""
-    handle: object
-    block_ids: list[int]
-
-
 class KVConnector:
     def __init__(self, engine: LLMEngine, config: ConnectorConfig, clock=time.monotonic):
         """`clock`: this worker's own (monotonic) seconds, on which every lease deadline here is set."""
@@ -106,9 +100,11 @@ class KVConnector:
         self.host = HostTier(engine.kv_cache, host_blocks) if host_blocks else None
         self.leases = LeaseTable(engine.block_manager, budget_blocks, self.host, engine.kv_cache,
                                  config.kv_lease_max_age_s, clock)
-        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host)
+        self.nixl = KVTransferAgent(engine.kv_cache, engine.block_manager.epochs, host=self.host,
+                                    prefix_host=engine.prefix_host)
         self.stats = ConnectorStats()
         self.loads: list[PendingLoad] = []
+        self.layered = LayeredReads(self)  # reads posted layer by layer, their sequences running
         self.abandoned: list[AbandonedRead] = []
         self._last_expiry_check = 0.0
         engine.attach_connector(self)
@@ -157,6 +153,8 @@ class KVConnector:
             self.decline(seq, decision.reason)
         elif not remote.prefilled_for_us and self._lease_let_go(seq, decision):
             self.decline(seq, policy.LEASE_ENDED)
+        elif self._overlaps(seq, decision):
+            self.layered.start(seq, decision)
         elif not self._start_read(seq, decision):
             self.decline(seq, policy.READ_FAILED)
 
@@ -210,7 +208,7 @@ class KVConnector:
         while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
             time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
         if state == IN_PROGRESS:
-            self.abandoned.append(AbandonedRead(handle, []))  # lands in the probe's own scratch only; reaped later
+            self.abandoned.append(AbandonedRead([handle], []))  # lands in the probe's own scratch only; reaped later
             return False
         self.nixl.release(handle)
         return state == DONE and self.nixl.scratch_epochs(local_ids, probe=True) != remote.block_epochs[first:last]
@@ -230,6 +228,29 @@ class KVConnector:
                                       gives_up_at, self.engine.step_seconds))
         return True
 
+    def _overlaps(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
+        """P's read of a history, layer by layer beside its compute; not D's read of what P prefilled for it."""
+        remote = seq.remote
+        return (self.config.kv_read_overlap and not decision.whole_prompt and not remote.prefilled_for_us
+                and remote.first_token_id is None)
+
+    def layer_waiter(self, batch: list[tuple[Sequence, int]]) -> LayerWait | None:
+        return self.layered.waiter(batch)
+
+    def step_done(self, batch: list[tuple[Sequence, int]]) -> set[Sequence]:
+        return self.layered.step_done(batch)
+
+    def on_preempt(self, seq: Sequence) -> None:
+        self.layered.drop(seq, policy.PREEMPTED)
+
+    def abandon_taken(self, handles: list, block_ids: list[int]) -> None:
+        """Hold `block_ids` (the sequence's table is about to be released) until `handles` are done with them."""
+        if not handles:
+            return
+        self.abandoned.append(AbandonedRead(handles, list(block_ids)))
+        for block_id in block_ids:
+            self.engine.block_manager.take(block_id)
+
     # ---- each step: progress of reads, leases past their time
     def poll(self) -> None:
         now = self.clock()
@@ -238,6 +259,7 @@ class KVConnector:
             self._last_expiry_check = now
         for load in list(self.loads):
             self._advance(load)
+        self.layered.advance_all()
         if self.abandoned:
             self._reap_abandoned()
 
@@ -284,10 +306,17 @@ class KVConnector:
         seq, decision = load.seq, load.decision
         first, last = decision.load_from_block, decision.load_to_block
         elapsed = time.perf_counter() - load.started
-        nbytes = len(load.local_ids) * self.engine.kv_cache.layout.block_bytes
         seq.num_computed_tokens = len(seq) if decision.whole_prompt else last * self.block_size
         seq.num_remote_tokens = seq.num_computed_tokens - first * self.block_size
-        steps = min(self.engine.step_seconds - load.steps_before, elapsed)
+        self.count_read(seq, elapsed, min(self.engine.step_seconds - load.steps_before, elapsed),
+                         len(load.local_ids))
+        self.engine.finish_loading(seq)
+        if decision.whole_prompt:
+            self.engine.append_token(seq, seq.remote.first_token_id)
+
+    def count_read(self, seq: Sequence, elapsed: float, steps: float, num_blocks: int) -> None:
+        """A read verified and taken: its time, bytes and tier, on the sequence and in the connector's stats."""
+        nbytes = num_blocks * self.engine.kv_cache.layout.block_bytes
         seq.timing.kv_read_s += elapsed
         seq.timing.kv_read_step_s += steps
         seq.timing.kv_read_bytes += nbytes
@@ -303,9 +332,6 @@ class KVConnector:
         stats.read_seconds_by_tier[seq.kv_tier] += elapsed
         stats.read_seconds.observe(elapsed)
         stats.read_bytes.observe(nbytes)
-        self.engine.finish_loading(seq)
-        if decision.whole_prompt:
-            self.engine.append_token(seq, seq.remote.first_token_id)
 
     def _fallback(self, load: PendingLoad, reason: str, in_flight: bool) -> None:
         """Reuse failed: recompute from the local prefix-cache hit. A read still in flight keeps its target
@@ -315,7 +341,7 @@ class KVConnector:
         self.decline(seq, reason)
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         if in_flight:
-            self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
+            self.abandoned.append(AbandonedRead([load.handle], list(load.local_ids)))
             first, last = load.decision.load_from_block, load.decision.load_to_block
             if blocks.num_free_blocks < last - first:
                 seq.block_table = seq.block_table[:first] + seq.block_table[last:]
@@ -326,18 +352,17 @@ class KVConnector:
         scheduler.finish_loading(seq)
 
     def on_abort(self, seq: Sequence) -> None:
-        for load in list(self.loads):
-            if load.seq is seq:
-                self.loads.remove(load)
-                self.abandoned.append(AbandonedRead(load.handle, list(load.local_ids)))
-                for block_id in load.local_ids:
-                    self.engine.block_manager.take(block_id)
+        for load in [load for load in self.loads if load.seq is seq]:
+            self.loads.remove(load)
+            self.abandon_taken([load.handle], load.local_ids)
+        self.layered.drop(seq)
 
     def _reap_abandoned(self) -> None:
         for read in list(self.abandoned):
-            if self.nixl.poll(read.handle) == IN_PROGRESS:
+            if any(self.nixl.poll(handle) == IN_PROGRESS for handle in read.handles):
                 continue
-            self.nixl.release(read.handle)
+            for handle in read.handles:
+                self.nixl.release(handle)
             self.engine.block_manager.release_all(read.block_ids)
             self.abandoned.remove(read)
 

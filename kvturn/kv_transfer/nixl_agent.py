@@ -1,7 +1,8 @@
 """Moves KV blocks between workers with NIXL READs (UCX backend, DRAM).
 
-Each worker registers its KV pool and its block-epoch array once, and a decode worker with a host
-tier its host blocks and their epochs too: every registration is here. A peer is added from the
+Each worker registers its KV pool and its block-epoch array once, a decode worker with a host
+tier its host blocks and their epochs too, and a worker whose prefix cache has a host tier (engine/prefix_host.py)
+that region and its slot epochs: every registration is here. A peer is added from the
 metadata its side channel returns; reads then go straight from the peer's memory (pool or host
 tier) into our pool, one descriptor per run of blocks consecutive on both sides, per layer and key/value
 (the pool is layer-major, engine/kv_cache.py). Called from the engine thread only.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvturn.engine.kv_cache import KVCache, KVLayout
+from kvturn.engine.prefix_host import PrefixHostTier
 from kvturn.kv_transfer.host_tier import HOST, HostTier
 
 BEFORE_LAYOUT_ORDER = "block-major"  # the pool of a peer whose layout does not name its order
@@ -90,12 +92,13 @@ def _runs(local_ids: list[int], remote_ids: list[int]):
 
 class KVTransferAgent:
     def __init__(self, kv_cache: KVCache, epochs: np.ndarray, engine_id: str | None = None,
-                 host: HostTier | None = None):
+                 host: HostTier | None = None, prefix_host: PrefixHostTier | None = None):
         self.engine_id = engine_id or f"kvturn-{uuid.uuid4().hex[:12]}"
         self.kv_cache = kv_cache
         self.layout = kv_cache.layout
         self.epochs = epochs
         self.host = host
+        self.prefix_host = prefix_host
         # Remote epochs land at the local block's index; a look before a read (probe) in the second half, so that a
         # look still in flight can never write over the read-back that vouches for the bytes read.
         self.epoch_scratch = np.zeros(2 * len(epochs), dtype=np.int64)
@@ -104,6 +107,9 @@ class KVTransferAgent:
                    (self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes)]
         if host is not None:
             regions += [(host.cache.base_address, host.cache.nbytes), (host.epochs.ctypes.data, host.epochs.nbytes)]
+        if prefix_host is not None:
+            regions += [(prefix_host.cache.base_address, prefix_host.cache.nbytes),
+                        (prefix_host.epochs.ctypes.data, prefix_host.epochs.nbytes)]
         self._registrations = [self.register(address, nbytes) for address, nbytes in regions]
         self.metadata = self.agent.get_agent_metadata()
         self.peers: dict[str, Peer] = {}
@@ -125,6 +131,10 @@ class KVTransferAgent:
             host = self.host
             info["host"] = {"address": host.cache.base_address, "epochs_address": int(host.epochs.ctypes.data),
                             "num_blocks": host.num_blocks}
+        if self.prefix_host is not None:
+            region = self.prefix_host
+            info["prefix_host"] = {"address": region.cache.base_address,
+                                   "epochs_address": int(region.epochs.ctypes.data), "num_blocks": region.num_slots}
         return info
 
     def add_peer(self, info: dict) -> Peer:
@@ -166,13 +176,28 @@ class KVTransferAgent:
     def start_block_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
         """Read blocks `remote_ids` of the peer's `tier` (its pool, or its host tier) into our pool's `local_ids`."""
         peer = self.peers[engine_id]
+        pieces = self._pieces(peer, remote_ids, local_ids, tier)
+        return self._start(peer, [d for local, _ in pieces for d in local], [d for _, remote in pieces for d in remote])
+
+    def layer_reads(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
+        """The same read as start_block_read, in one transfer per layer: returns what posts layer l's (and returns
+        its handle), so that a step can compute layer l as soon as layer l has arrived."""
+        peer = self.peers[engine_id]
+        pieces = self._pieces(peer, remote_ids, local_ids, tier)
+        return lambda layer: self._start(peer, *pieces[layer])
+
+    def _pieces(self, peer: Peer, remote_ids: list[int], local_ids: list[int], tier: str) -> list[tuple[list, list]]:
+        """(local, remote) NIXL descriptors of a read, per layer: each layer's keys and values of each run of blocks
+        consecutive on both sides (the pool is layer-major: piece i of a run is layer i // 2)."""
         blocks_address, _ = peer.addresses(tier)
-        local, remote = [], []
+        layers = [([], []) for _ in range(self.layout.num_layers)]
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
-            local += [(address, nbytes, 0) for address, nbytes in self.kv_cache.run_regions(local_start, count)]
-            remote += [(address, nbytes, 0) for address, nbytes in
-                       peer.layout_of(tier).run_regions(blocks_address, remote_start, count)]
-        return self._start(peer, local, remote)
+            local = self.kv_cache.run_regions(local_start, count)
+            remote = peer.layout_of(tier).run_regions(blocks_address, remote_start, count)
+            for i, ((l_addr, l_len), (r_addr, r_len)) in enumerate(zip(local, remote)):
+                layers[i // 2][0].append((l_addr, l_len, 0))
+                layers[i // 2][1].append((r_addr, r_len, 0))
+        return layers
 
     def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool",
                          probe: bool = False):

@@ -16,12 +16,13 @@ BAD_PEER_REPLY = "bad_peer_reply"  # the peer's side channel answered something 
 # A caller of the cluster relayed a lease record whose MAC does not hold for this peer address and binding (a store
 # rewrote it, or it is another conversation's): the peer it names is not contacted
 UNSIGNED_RECORD = "unsigned_record"
+PREEMPTED = "preempted"  # the scheduler needed the blocks a layered read was filling, for running requests
 # The holder let the lease go before anything was read: the router heard so from it before the turn, or the epochs
 # read back just before the read had changed (the read was not made)
 LEASE_ENDED = "lease_ended"
 DECLINE_REASONS = (EXPIRED, BELOW_THRESHOLD, HASH_MISMATCH, EPOCH_MISMATCH, PEER_UNREACHABLE, LEASE_UNKNOWN,
                    READ_FAILED, COVERED_LOCALLY, LAYOUT_MISMATCH, UNTRUSTED_PEER, BAD_PEER_REPLY, UNSIGNED_RECORD,
-                   LEASE_ENDED)
+                   PREEMPTED, LEASE_ENDED)
 
 
 @dataclass(frozen=True, slots=True)

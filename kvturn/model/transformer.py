@@ -148,10 +148,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
-    def forward(self, input_ids, positions, kv_pool, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_pool, meta: AttentionMetadata, before_layer=None):
         x = self.model.embed_tokens(input_ids)
         angles = self.rotary.angles(positions, x.dtype)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, angles, kv_pool, meta)
         return self.model.norm(x)
 

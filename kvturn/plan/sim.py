@@ -11,10 +11,12 @@ from kvturn import costmodel
 from kvturn.bench.catalog import Leg
 from kvturn.config import ConnectorConfig, EngineConfig, RouterConfig, default_of
 from kvturn.kv_transfer.params import HOST, POOL
+from kvturn.plan import link
 from kvturn.plan.calibration import WORKER_KINDS, Calibration
 from kvturn.plan.retention import Lease, Leases, PrefixCache
 from kvturn.plan.steps import Job, StepLoop
 from kvturn.plan.trace import Session, TurnDemand, Workload, reusable
+from kvturn.router.prefix_memory import PrefixMemory
 from kvturn.router.workers import Claim, WorkerPool
 
 
@@ -37,6 +39,12 @@ class Deployment:
     prefill_pack_tokens: int = default_of(EngineConfig, "prefill_pack_tokens")
     block_size: int = default_of(EngineConfig, "block_size")
     one_host: bool = False  # every worker on one machine's cores, as `kvturn bench --compare` runs them
+    prefill_kv_cache_mb: int | None = None  # P's pool when it differs from kv_cache_mb (its prefix cache's size)
+    prefill_choice: str = default_of(RouterConfig, "prefill_choice")
+    prefill_spill_ms: float = default_of(RouterConfig, "prefill_spill_ms")
+    link_bits_per_s: float | None = None  # between hosts (plan/link.py); None: the calibration's own reads
+    link_delay_s: float = 0.0
+    link_read_fixed_ms: float = 0.0  # what one read over the link costs besides its bytes
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ class Flight:
     leased_tokens: int = 0  # the lease the router's table held for the conversation when the turn came
     path: str = ""
     reused_tokens: int = 0  # history KV that came from a decode worker's retention (read, or computed beside)
+    cached_tokens: int = 0  # of the prompt, what P's own prefix cache held
     ttft_ms: float = 0.0
 
 
@@ -76,12 +85,13 @@ class SessionState:
     finished_s: float | None = None
 
 
-def router_cost_model(calibration: Calibration) -> costmodel.CostModel:
-    """The router's cost model as it stands once calibrated."""
+def router_cost_model(calibration: Calibration, deployment: Deployment | None = None) -> costmodel.CostModel:
+    """The router's cost model as it stands once calibrated (on the deployment's link, where it has one)."""
     other = {costmodel.RECOMPUTE: "pd/P-cache-off", costmodel.PULL: "bidir/P-cache-off",
              costmodel.COMPUTE_ON_DECODE: "compute-on-D"}
+    rates = link.read_ms_per_mib(calibration, deployment) if deployment else calibration.read_ms_per_mib
     return costmodel.CostModel.calibrated({role: calibration.fit_for(role) for role in ("prefill", "decode")},
-                                          calibration.read_ms_per_mib, calibration.kv_bytes_per_token,
+                                          rates, calibration.kv_bytes_per_token,
                                           {path: calibration.other(leg) for path, leg in other.items()})
 
 
@@ -102,7 +112,8 @@ class Simulation:
         for worker, view in zip(self.decode, self.router_decode.workers):
             worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
         self.pool_tokens = self._tokens_in(d.kv_cache_mb)
-        self.prefill_cache = [PrefixCache(self.pool_tokens) for _ in self.prefill] \
+        prefill_pool = self._tokens_in(d.prefill_kv_cache_mb) if d.prefill_kv_cache_mb else self.pool_tokens
+        self.prefill_cache = [PrefixCache(prefill_pool) for _ in self.prefill] \
             if leg.prefix_caching_on_prefill else []
         self.decode_cache = [PrefixCache(self.pool_tokens) for _ in self.decode]
         budget = None if d.retained_kv_budget_mb is None else self._tokens_in(d.retained_kv_budget_mb)
@@ -110,7 +121,8 @@ class Simulation:
                        for _ in self.decode]
         self.lease_ends: deque[tuple[Lease, int]] = deque()  # one TTL for all: they end in the order they began
         self.table: dict[str, Entry] = {}
-        self.costs = router_cost_model(calibration)
+        self.costs = router_cost_model(calibration, deployment)
+        self.prefix_memory = PrefixMemory(max(len(workload.sessions), 1))  # the router's guess of P's caches
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full
         self.retained_tokens = {POOL: 0, HOST: 0}  # over all decode workers together
@@ -206,11 +218,13 @@ class Simulation:
             entry = None
         holder = self.router_decode.workers[entry.decode] if entry else None
         flight.leased_tokens = entry.lease.tokens if entry else 0
-        prefill = self.router_prefill.least_loaded()
+        prefill = self.router_prefill.pick(conversation, self.deployment.prefill_choice,
+                                           spill_ms=self.deployment.prefill_spill_ms)
         view = costmodel.TurnView(
             turn.prompt_tokens, flight.leased_tokens, holder.in_flight if holder else 0,
             holder is not None and holder.in_flight < self.deployment.max_in_flight_per_decode, prefill.in_flight,
-            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0)
+            prefill.backlog_ms(now), holder.backlog_ms(now) if holder else 0.0, True, holder.step_ms if holder else 0.0,
+            prefill_cached_tokens=self.prefix_memory.expected_cached(conversation, prefill.url))
         choice = flight.choice = costmodel.choose(self.costs, view, self.policy, self.deployment.stall_weight)
         self.costs.chosen(choice.path)
         flight.path = choice.path
@@ -252,10 +266,10 @@ class Simulation:
         remote = min(shareable, lease_tokens) - local
         if remote < max(self.deployment.kv_recompute_threshold_tokens, 1):
             remote = 0
-        flight.reused_tokens, flight.prefill = remote, prefill
+        flight.reused_tokens, flight.prefill, flight.cached_tokens = remote, prefill, local
         job = Job(flight.turn.prompt_tokens - local - remote, local + remote, 1, flight, on_finished=self._prefilled)
         if remote:  # read as P's step that admits it is scheduled
-            flight.read_ms = job.read_ms = self.calibration.read_ms(remote, "d_to_p")
+            flight.read_ms = job.read_ms = link.read_ms(self.calibration, self.deployment, remote, "d_to_p")
         self.prefill[prefill].submit_prefill(job)
 
     def _prefilled(self, job: Job, now: float) -> None:
@@ -265,6 +279,7 @@ class Simulation:
         turn, conversation = flight.turn, flight.state.session.conversation_id
         if self.prefill_cache:
             self.prefill_cache[flight.prefill].store(conversation, self._blocks(turn.prompt_tokens))
+        self.prefix_memory.observe(conversation, str(flight.prefill), turn.prompt_tokens, flight.cached_tokens)
         flight.claim.release()
         self.costs.prefill_request_ms.add((now - flight.dispatched_s) * 1e3)
         entry = self.table.get(conversation)
@@ -277,7 +292,7 @@ class Simulation:
         self.costs.observe_reuse(flight.leased_tokens, on_decode)
         self._first_token(flight, now, job.compute_ms + flight.read_ms)
         decode = Job(0, turn.prompt_tokens, turn.output_tokens - 1, flight, on_finished=self._decoded)
-        read_ms = self.calibration.read_ms(turn.prompt_tokens - on_decode, "p_to_d")
+        read_ms = link.read_ms(self.calibration, self.deployment, turn.prompt_tokens - on_decode, "p_to_d")
         self.at(now + read_ms / 1e3, self.decode[holder].submit_decode, decode)
 
     def _first_token(self, flight: Flight, now: float, explained_ms: float) -> None:

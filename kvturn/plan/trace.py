@@ -152,11 +152,13 @@ def from_trace(path: Path) -> Workload:
 
 
 def from_scenario(scenario: str, model_dir: str, seed: int, max_prompt_tokens: int, turns: int,
-                  clients: int) -> Workload:
-    """A built-in `kvturn bench` scenario, built as the bench builds it from the same seed."""
+                  clients: int, sessions: int | None = None, gap_scale: float = 1.0) -> Workload:
+    """A built-in `kvturn bench` scenario, built as the bench builds it from the same seed (`sessions` of them,
+    default the scenario's; think times times `gap_scale`, as the bench's --gap-scale)."""
     tokenizer = ChatTokenizer(model_dir)
     conversations = catalog.build_workload(scenario, bench_workload.TextSource(tokenizer), seed, max_prompt_tokens,
-                                           turns)
+                                           turns, sessions)
+    bench_workload.scale_gaps(conversations, gap_scale)
     return from_conversations(scenario, conversations, tokenizer, clients)
 
 

@@ -27,6 +27,7 @@ from kvturn.costmodel import CostModel
 from kvturn.router.redis_state import RedisConversationTable
 from kvturn.router.trace_out import TraceOut
 from kvturn.router.kvturn_workers import KvturnWorkers
+from kvturn.router.prefix_memory import PrefixMemory
 from kvturn.router.turn import Turn
 from kvturn.router.turn_metrics import TurnMetrics
 from kvturn.router.turn_span import TurnSpan
@@ -93,6 +94,7 @@ class Router:
             self.text_tokens = keys.TextTokens(self.tokenizer)
         self.vllm = VLLMBackend(config, self.metrics.registry, self.tokenizer)
         self.costs = CostModel()
+        self.prefix_memory = PrefixMemory(config.max_conversations)  # what each P's cache likely holds
         if is_redis_url(config.state_path):
             self.table = RedisConversationTable(config.state_path, config.conversation_ttl_s,
                                                 on_error=self.metrics.state_errors.inc, secret=config.cluster_secret,
@@ -170,8 +172,10 @@ class Router:
             return
         worker.calibration_asked = True
         try:
-            steps = response.json().get("prefill_steps") if response.status == 200 else None
-            taken = self.costs.observe_calibration(worker.role, steps)
+            reply = response.json() if response.status == 200 else {}
+            taken = self.costs.observe_calibration(worker.role, reply.get("prefill_steps"))
+            if worker.role == "prefill":
+                self.costs.observe_read_overlap(reply.get("kv_read_overlap_layers"))
         except Exception:  # a worker's reply, whatever it holds, must not stop the router
             log.warning("%s worker %s: unusable calibration reply", worker.role, worker.url, exc_info=True)
             return

@@ -145,6 +145,7 @@ class KvturnWorkers(TurnBackend):
             "prompt_tokens_computed_prefill": prefill.get("prompt_tokens_computed"),
             "prompt_tokens_from_decode": prefill.get("prompt_tokens_remote"),
             "prompt_tokens_cached_prefill": prefill.get("prompt_tokens_cached"),
+            "prompt_tokens_cached_prefill_host": prefill.get("prompt_tokens_cached_host"),  # of them, P's host tier
             "bytes_d_to_p": prefill.get("kv_read_bytes", 0),
             "bytes_p_to_d": (decode or {}).get("kv_read_bytes", 0),
             "timing": {
@@ -152,6 +153,7 @@ class KvturnWorkers(TurnBackend):
                 "queue_ms": p_timing.get("queue_ms"),
                 "d_to_p_read_ms": p_timing.get("kv_read_ms"),
                 "d_to_p_read_step_ms": p_timing.get("kv_read_step_ms"),  # of it, P's steps for other prompts
+                "d_to_p_read_hidden_ms": p_timing.get("kv_read_hidden_ms"),  # of it, under P's own compute
                 "prefill_compute_ms": p_timing.get("prefill_compute_ms"),
                 "p_to_d_read_ms": d_timing.get("kv_read_ms"),
                 "decode_ttft_ms": d_timing.get("ttft_ms"),

@@ -103,7 +103,7 @@ class Turn(Streaming):
         failed: Reply | None = None  # the last 5xx, passed on when no worker is left to try
         started = None
         while True:
-            worker = router.prefill.least_loaded(tried)
+            worker = self.pick_prefill(tried)
             if worker is None and failed is not None:
                 raise UpstreamError(Response(failed.content, failed.status, media_type="application/json"))
             if worker is None:
@@ -146,6 +146,11 @@ class Turn(Streaming):
         if self.body.get("stream"):
             return await self.stream_decode(d_body)
         return await self.complete_decode(d_body)
+
+    def pick_prefill(self, exclude: set[str] = frozenset()) -> WorkerState | None:
+        """The router's choice of prefill worker (--prefill-choice) for this turn."""
+        config = self.router.config
+        return self.router.prefill.pick(self.key, config.prefill_choice, exclude, config.prefill_spill_ms)
 
     def pick_decode(self, exclude: set[str]) -> WorkerState | None:
         router, entry = self.router, self.entry

@@ -33,11 +33,13 @@ class TurnCosts:
             if holder is not None:
                 running, decode_backlog, step_ms = holder.in_flight, holder.backlog_ms(), holder.step_ms
                 available = holder.healthy and holder.in_flight < router.config.max_in_flight_per_decode
-        prefill = router.prefill.least_loaded()
+        prefill = turn.pick_prefill()
         tier = lease_tier.guess(entry, router.decode.find(entry.decode_url) if entry else None)
+        cached = router.prefix_memory.expected_cached(turn.key, prefill.url) if prefill else 0
         return costmodel.TurnView(self.estimated_prompt_tokens(), retained, running, available,
                                   prefill.in_flight if prefill else 0, prefill.backlog_ms() if prefill else 0.0,
-                                  decode_backlog, may_send_ahead(turn.body, turn.chat), step_ms, retained_tier=tier)
+                                  decode_backlog, may_send_ahead(turn.body, turn.chat), step_ms, retained_tier=tier,
+                                  prefill_cached_tokens=cached)
 
     def estimated_prompt_tokens(self) -> int:
         """The prompt's tokens: counted with the model's tokenizer where the router has it (--tokenizer) and the
@@ -85,6 +87,10 @@ class TurnCosts:
         prefill = turn.prefill.get("kvturn") or {}
         for role, report in (("prefill", prefill), ("decode", decode or {})):
             costs.observe_prefill(role, report)
+        if prefill:
+            cached = int(prefill.get("prompt_tokens_cached") or 0)
+            turn.router.prefix_memory.observe(turn.key, turn.prefill_url, cached + int(
+                prefill.get("prompt_tokens_computed") or 0) + int(prefill.get("prompt_tokens_remote") or 0), cached)
         d_timing, p_timing = (decode or {}).get("timing", {}), prefill.get("timing", {})
         if turn.first_token_at is not None:
             actual = (turn.first_token_at - turn.started) * 1e3

@@ -1,5 +1,6 @@
 """The router's view of its prefill and decode workers: health and load."""
 import asyncio
+import hashlib
 import logging
 import statistics
 import time
@@ -105,6 +106,26 @@ class WorkerPool:
         candidates = [w for w in self.healthy() if w.url not in exclude]
         now = self.clock()
         return min(candidates, key=lambda w: (w.backlog_ms(now), w.in_flight), default=None)
+
+    def affine(self, key: str, exclude: set[str] = frozenset(), spill_ms: float = 0.0) -> WorkerState | None:
+        """The conversation's own worker, by rendezvous hash of its key over the workers' URLs (a worker leaving
+        moves only its own conversations, as llm-d keeps a prefix on one pod), so its later turns meet the prefix
+        cache that holds its history; the least loaded one instead while the own one's backlog is `spill_ms`
+        above it."""
+        ranked = sorted((w for w in self.healthy() if w.url not in exclude),
+                        key=lambda w: hashlib.blake2b(f"{w.url}\n{key}".encode(), digest_size=8).digest())
+        if not ranked:
+            return None
+        own, least = ranked[-1], self.least_loaded(exclude)
+        now = self.clock()
+        return least if own.backlog_ms(now) > least.backlog_ms(now) + spill_ms else own
+
+    def pick(self, key: str | None, choice: str, exclude: set[str] = frozenset(),
+             spill_ms: float = 0.0) -> WorkerState | None:
+        """A turn's worker by the router's `choice` (config.PREFILL_CHOICES); a turn without a key: least loaded."""
+        if choice == "prefix-affine" and key is not None:
+            return self.affine(key, exclude, spill_ms)
+        return self.least_loaded(exclude)
 
     @staticmethod
     def claim(worker: WorkerState, work_ms: float = 0.0) -> Claim:

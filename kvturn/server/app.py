@@ -87,8 +87,10 @@ def create_app(config: WorkerConfig) -> FastAPI:
         KV bytes a token takes and the reads from peers so far (as /metrics counts them)."""
         layout = worker.engine.kv_cache.layout
         stats = worker.connector.stats if worker.connector else ConnectorStats()  # a colocated worker reads none
+        overlap = worker.connector is not None and worker.connector.config.kv_read_overlap
         return {"role": config.role, "prefill_steps": worker.calibration,
                 "kv_bytes_per_token": layout.block_bytes / layout.block_size,
+                "kv_read_overlap_layers": layout.num_layers if overlap else 0,  # reads it computes beside, layer by layer
                 "kv_reads": {"reads": stats.kv_reads, "bytes": stats.kv_read_bytes, "seconds": stats.kv_read_seconds,
                              "step_seconds": stats.kv_read_step_seconds}}
 

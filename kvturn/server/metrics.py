@@ -3,6 +3,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvturn.engine.llm_engine import LLMEngine
+from kvturn.engine.prefix_host import PrefixHostStats
 from kvturn.kv_transfer.connector import ConnectorStats, KVConnector
 from kvturn.kv_transfer.params import HOST, POOL, TIERS
 from kvturn.kv_transfer.policy import DECLINE_REASONS
@@ -49,6 +50,7 @@ class EngineCollector:
             declines.add_metric([reason], kv_stats.reuse_declines.get(reason, 0))
         yield declines
         yield from self.tiers(kv_stats)
+        yield from self.prefix_tiers(kv_stats)
         leases = self.connector.leases if self.connector else None
         nixl = self.connector.nixl if self.connector else None
         lease_events = CounterMetricFamily("kvturn_kv_leases", "Retention leases by what ended them",
@@ -113,6 +115,39 @@ class EngineCollector:
         for (source, target) in ((POOL, HOST), (HOST, POOL)):
             moves.add_metric([source, target], leases.moves[(source, target)] if leases else 0)
         yield moves
+
+
+    def prefix_tiers(self, kv_stats: ConnectorStats):
+        """The prefix cache per tier: tokens of prompts served from the pool and from the host tier, blocks moved
+        between them, bytes the host tier holds, restores its checks refused."""
+        engine, stats = self.engine, self.engine.stats
+        layout = engine.kv_cache.layout
+        lease_restored = kv_stats.host_restore_bytes // layout.block_bytes * layout.block_size  # D's own leases
+        region = engine.prefix_host
+        host_stats = region.stats if region else PrefixHostStats()
+        hits = CounterMetricFamily("kvturn_prefix_cache_hit_tokens", "Prompt tokens served by this worker's prefix "
+                                   "cache, by the tier that held them", labels=["tier"])
+        hits.add_metric([POOL], stats.prompt_tokens_cached - stats.prompt_tokens_cached_host - lease_restored)
+        hits.add_metric([HOST], stats.prompt_tokens_cached_host)
+        yield hits
+        moves = CounterMetricFamily("kvturn_prefix_cache_tier_moves", "Prefix-cache blocks moved between tiers "
+                                    "(pool to host on eviction, host to pool on a hit)", labels=["from", "to"])
+        moves.add_metric([POOL, HOST], host_stats.blocks_stored)
+        moves.add_metric([HOST, POOL], host_stats.blocks_restored)
+        yield moves
+        held = GaugeMetricFamily("kvturn_prefix_cache_tier_bytes", "KV bytes the prefix cache's host tier holds",
+                                 labels=["tier"])
+        held.add_metric([HOST], region.bytes_held if region else 0)
+        yield held
+        yield GaugeMetricFamily("kvturn_prefix_cache_host_capacity_bytes", "Bytes of the prefix cache's host tier",
+                                value=region.cache.nbytes if region else 0)
+        yield CounterMetricFamily("kvturn_prefix_cache_host_dropped_blocks", "Blocks the prefix cache's host tier "
+                                  "let go to make room (least recently used)", value=host_stats.blocks_dropped)
+        refused = CounterMetricFamily("kvturn_prefix_cache_host_restore_failures", "Host-tier hits not restored "
+                                      "(the slot was recycled or held another hash): computed", labels=["reason"])
+        for reason, value in host_stats.restore_failures.items():
+            refused.add_metric([reason], value)
+        yield refused
 
 
 class Observed:

@@ -302,6 +302,7 @@ class Worker:
             "engine_id": self.engine_id,
             "prompt_tokens_computed": seq.num_prompt_tokens - seq.num_cached_tokens - seq.num_remote_tokens,
             "prompt_tokens_cached": seq.num_cached_tokens,
+            "prompt_tokens_cached_host": seq.num_host_cached_tokens,  # of them, from the prefix cache's host tier
             "prompt_tokens_remote": seq.num_remote_tokens,
             "completion_tokens": seq.num_output_tokens,
             "reuse": seq.reuse_outcome,
@@ -312,9 +313,10 @@ class Worker:
                 "ttft_ms": ttft * 1e3,
                 "kv_read_ms": t.kv_read_s * 1e3,
                 "kv_read_step_ms": t.kv_read_step_s * 1e3,  # of it, engine steps that ran before it was seen done
+                "kv_read_hidden_ms": t.kv_read_hidden_s * 1e3,  # of it, what its own step's compute covered
                 "prefill_compute_ms": t.prefill_compute_s * 1e3,
                 "prefill_shared_tokens": t.prefill_shared_tokens,
-                "queue_ms": max(ttft - t.kv_read_s - t.prefill_compute_s, 0.0) * 1e3,
+                "queue_ms": max(ttft - (t.kv_read_s - t.kv_read_hidden_s) - t.prefill_compute_s, 0.0) * 1e3,
                 "tokenize_ms": t.tokenize_s * 1e3,
                 "side_channel_ms": t.side_channel_s * 1e3,
                 "engine_wait_ms": ((t.first_scheduled or t.arrival) - (t.submitted or t.arrival)) * 1e3,
