@@ -68,11 +68,30 @@ def test_matching_blocks_are_read_and_the_output_is_unchanged(pair, reference):
     assert prefill.connector.stats.kv_read_bytes == len(remote.block_ids) * prefill.engine.kv_cache.layout.block_bytes
 
 
+def recycle_as_the_read_starts(nixl, epochs, block_id: int) -> None:
+    """Bump the peer's epoch of `block_id` (what handing the block out again does) as P posts its read, whole or
+    layer by layer: P's look at the epochs just before the read saw them unchanged."""
+    for name in ("start_block_read", "layer_reads"):
+        def recycled(*args, _start=getattr(nixl, name), **kwargs):
+            epochs[block_id] += 1
+            return _start(*args, **kwargs)
+        setattr(nixl, name, recycled)
+
+
 def test_blocks_recycled_during_the_read_are_caught_by_the_epoch_check(pair, reference):
     decode, prefill, remote = pair
-    decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # what handing the block out again does
+    recycle_as_the_read_starts(prefill.connector.nixl, decode.engine.block_manager.epochs, remote.block_ids[2])
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "epoch_mismatch" and seq.num_remote_tokens == 0
+    assert seq.output_token_ids == reference
+
+
+def test_blocks_let_go_before_the_read_are_not_read_at_all(pair, reference):
+    decode, prefill, remote = pair
+    decode.engine.block_manager.epochs[remote.block_ids[2]] += 1  # let go while the prompt waited in P's queue
+    seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
+    # seen before the read when NIXL brings the epochs back within the probe's wait, else by the read's own check
+    assert seq.reuse_outcome in ("lease_ended", "epoch_mismatch") and seq.num_remote_tokens == 0
     assert seq.output_token_ids == reference
 
 
@@ -193,8 +212,8 @@ def test_a_layer_that_fails_mid_read_makes_the_sequence_recompute_with_no_block_
 
 def test_recycled_blocks_are_caught_after_a_layered_read_and_its_token_is_not_kept(pair, reference):
     decode, prefill, remote = pair
-    decode.engine.block_manager.epochs[remote.block_ids[-1]] += 1
     SlowLink(prefill.connector.nixl)
+    recycle_as_the_read_starts(prefill.connector.nixl, decode.engine.block_manager.epochs, remote.block_ids[-1])
     seq = prefill.run(Sequence("next", PROMPT, PARAMS, remote=remote))
     assert seq.reuse_outcome == "epoch_mismatch" and seq.output_token_ids == reference
 

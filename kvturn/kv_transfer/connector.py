@@ -201,17 +201,17 @@ class KVConnector:
         local_ids = seq.block_table[first:last]
         try:
             handle = self.nixl.start_epoch_read(remote.peer_engine_id, remote.block_ids[first:last], local_ids,
-                                                remote.tier)
+                                                remote.tier, probe=True)
         except Exception:
             return False
         waited_until = time.perf_counter() + PROBE_WAIT_S
         while (state := self.nixl.poll(handle)) == IN_PROGRESS and time.perf_counter() < waited_until:
             time.sleep(PROBE_WAIT_S / 50)  # the GIL goes to NIXL's progress thread meanwhile
         if state == IN_PROGRESS:
-            self.abandoned.append(AbandonedRead([handle], []))  # lands in the scratch epochs only; reaped later
+            self.abandoned.append(AbandonedRead([handle], []))  # lands in the probe's own scratch only; reaped later
             return False
         self.nixl.release(handle)
-        return state == DONE and self.nixl.scratch_epochs(local_ids) != remote.block_epochs[first:last]
+        return state == DONE and self.nixl.scratch_epochs(local_ids, probe=True) != remote.block_epochs[first:last]
 
     def _start_read(self, seq: Sequence, decision: policy.ReuseDecision) -> bool:
         remote, first, last = seq.remote, decision.load_from_block, decision.load_to_block

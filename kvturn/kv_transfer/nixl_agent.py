@@ -99,7 +99,9 @@ class KVTransferAgent:
         self.epochs = epochs
         self.host = host
         self.prefix_host = prefix_host
-        self.epoch_scratch = np.zeros(len(epochs), dtype=np.int64)  # remote epochs land at the local block's index
+        # Remote epochs land at the local block's index; a look before a read (probe) in the second half, so that a
+        # look still in flight can never write over the read-back that vouches for the bytes read.
+        self.epoch_scratch = np.zeros(2 * len(epochs), dtype=np.int64)
         self.agent = create_nixl_agent(self.engine_id)
         regions = [(kv_cache.base_address, kv_cache.nbytes), (epochs.ctypes.data, epochs.nbytes),
                    (self.epoch_scratch.ctypes.data, self.epoch_scratch.nbytes)]
@@ -197,14 +199,17 @@ class KVTransferAgent:
                 layers[i // 2][1].append((r_addr, r_len, 0))
         return layers
 
-    def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool"):
-        """Read the peer's current epochs of `remote_ids` (of `tier`) into epoch_scratch[local_ids]."""
+    def start_epoch_read(self, engine_id: str, remote_ids: list[int], local_ids: list[int], tier: str = "pool",
+                         probe: bool = False):
+        """Read the peer's current epochs of `remote_ids` (of `tier`) into epoch_scratch[local_ids] (its probe half
+        with `probe`)."""
         peer = self.peers[engine_id]
         _, epochs_address = peer.addresses(tier)
         item = self.epochs.itemsize
+        base = self.epoch_scratch.ctypes.data + (len(self.epochs) * item if probe else 0)
         local, remote = [], []
         for local_start, remote_start, count in _runs(local_ids, remote_ids):
-            local.append((self.epoch_scratch.ctypes.data + local_start * item, count * item, 0))
+            local.append((base + local_start * item, count * item, 0))
             remote.append((epochs_address + remote_start * item, count * item, 0))
         return self._start(peer, local, remote)
 
@@ -232,5 +237,5 @@ class KVTransferAgent:
         except Exception:
             log.debug("release_xfer_handle failed", exc_info=True)
 
-    def scratch_epochs(self, local_ids: list[int]) -> list[int]:
-        return self.epoch_scratch[local_ids].tolist()
+    def scratch_epochs(self, local_ids: list[int], probe: bool = False) -> list[int]:
+        return self.epoch_scratch[np.asarray(local_ids, dtype=np.int64) + (len(self.epochs) if probe else 0)].tolist()
