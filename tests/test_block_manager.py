@@ -92,3 +92,26 @@ def test_a_growing_sequence_does_not_take_the_next_block_out_of_lru_order_when_i
     assert bm.cached_prefix(second, block_hashes(second, 16)) == [2, 3]
     bm.release(grown)
     assert bm.allocate_new(after=grown - 1) == grown  # an uncached free block after the last is still taken
+
+
+def test_the_count_of_cached_free_blocks_follows_every_change_of_the_pool():
+    import random
+    from kvturn.engine.block_manager import NO_HASH
+    bm = BlockManager(16, 4)
+    rng = random.Random(3)
+    held: list[int] = []
+    for step in range(400):
+        action = rng.random()
+        if action < 0.4 and bm.num_free_blocks:
+            held.append(bm.allocate_new(after=rng.choice(held) if held and rng.random() < 0.5 else None))
+        elif action < 0.6 and held:
+            block_id = rng.choice(held)
+            bm.publish(block_id, rng.randrange(1, 40), (step,))
+        elif action < 0.9 and held:
+            bm.release(held.pop(rng.randrange(len(held))))
+        elif bm.free_block_ids:
+            block_id = rng.choice(list(bm.free_block_ids))
+            bm.take(block_id)
+            held.append(block_id)
+        walked = sum(1 for b in bm.free_block_ids if bm.blocks[b].hash != NO_HASH)
+        assert bm.num_cached_free_blocks == walked

@@ -67,6 +67,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Free blocks that still hold a cached prefix, kept as a count: /metrics reads it from another thread, where
+        # walking free_block_ids while the engine changes it raised "mutated during iteration"
+        self.num_cached_free_blocks = 0
         self.epochs = np.zeros(num_blocks, dtype=np.int64)
         # told of each cached full block before it gets new contents (block id, hash, tokens): the prefix cache's
         # host tier (prefix_host.py) keeps a copy
@@ -79,10 +82,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_block_ids if self.blocks[b].hash != NO_HASH)
 
     def cached_prefix(self, token_ids: list[int], hashes: list[int]) -> list[int]:
         """Block ids of the longest cached prefix of `token_ids` (no references taken)."""
@@ -104,6 +103,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_block_ids[block_id]
+            self.num_cached_free_blocks -= block.hash != NO_HASH
         block.ref_count += 1
 
     def allocate_new(self, after: int | None = None) -> int:
@@ -118,6 +118,7 @@ class BlockManager:
         else:
             block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
+        self.num_cached_free_blocks -= block.hash != NO_HASH
         if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]
             if self.on_evict is not None:
@@ -136,6 +137,7 @@ class BlockManager:
                 self.hash_to_block.pop(block.hash, None)
                 block.hash, block.token_ids = NO_HASH, ()
             self.free_block_ids[block_id] = None
+            self.num_cached_free_blocks += block.hash != NO_HASH
 
     def release_all(self, block_ids: list[int]) -> None:
         for block_id in reversed(block_ids):  # the tail of a sequence is the least likely to be reused
@@ -146,6 +148,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash == block_hash:
             return
+        if block.ref_count == 0:  # a free block named again
+            self.num_cached_free_blocks += (block_hash != NO_HASH) - (block.hash != NO_HASH)
         block.hash, block.token_ids = block_hash, token_ids
         if self.enable_prefix_caching:
             self.hash_to_block.setdefault(block_hash, block_id)
