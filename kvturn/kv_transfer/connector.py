@@ -118,7 +118,7 @@ class KVConnector:
 
     @property
     def waiting_on_reads(self) -> bool:
-        return bool(self.loads)
+        return bool(self.loads or self.layered.reads)  # a layered read's next layers are posted as the earlier land
 
     def reclaim_for(self, seq: Sequence) -> bool:
         """The pool is short of blocks for `seq`: give up a retained lease (retention.py chooses which, for the
