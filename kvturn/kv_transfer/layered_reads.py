@@ -140,14 +140,6 @@ class LayerWait:
     clock: object
     layer_wait_s: float
     waited_s: float = 0.0
-    _started: float = field(default_factory=time.perf_counter)
-
-    def __post_init__(self):
-        for read in self.reads:
-            if read.first_step_at is None:
-                read.first_step_at = self._started
-            if read.seq.generator is not None:
-                read.generator_state = read.seq.generator.get_state()
 
     def __call__(self, layer: int) -> None:
         began = time.perf_counter()
@@ -214,10 +206,13 @@ class LayeredReads:
             return None
         in_step = {id(seq) for seq, _ in batch}
         reads = [read for read in self.reads if id(read.seq) in in_step]
-        step_seconds = self.connector.engine.step_seconds
+        step_seconds, now = self.connector.engine.step_seconds, time.perf_counter()
         for read in reads:
             if read.first_step_at is None:
-                read.steps_before_first = min(step_seconds - read.steps_before, time.perf_counter() - read.started)
+                read.first_step_at = now
+                read.steps_before_first = min(step_seconds - read.steps_before, now - read.started)
+            if read.seq.generator is not None:
+                read.generator_state = read.seq.generator.get_state()  # put back if the read fails
         return LayerWait(reads, self.connector.nixl, self.connector.clock,
                          self.connector.config.kv_read_layer_wait_s) if reads else None
 
