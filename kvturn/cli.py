@@ -544,6 +544,7 @@ def plan(
                                              "its bytes, ms (kvturn bench --hosts netns prints it for its link)"),
     prefill_kv_cache_mb: Optional[int] = typer.Option(None, min=1, help="each prefill worker's KV pool, MiB (its "
                                                       "prefix cache's size; default --kv-cache-mb)"),
+    kv_read_overlap: bool = option(ConnectorConfig, "kv_read_overlap", "--kv-read-overlap/--no-kv-read-overlap"),
     policy: str = typer.Option("pull", help="path of a turn with a live lease: pull, compute_on_decode or adaptive"),
     prefix_caching_on_prefill: bool = typer.Option(True, "--prefix-caching-on-prefill/--no-prefix-caching-on-prefill",
                                                    help="whether prefill workers keep a prefix cache"),
@@ -638,6 +639,10 @@ def plan(
         raise typer.BadParameter(str(exc)) from None
     if save_calibration:
         cost_model.save(save_calibration)
+    layers = 0
+    if kv_read_overlap:  # P computes each of the model's layers as that layer of the history arrives
+        from kvturn.model.config import ModelConfig
+        layers = ModelConfig.from_dir(resolve_model(model)).num_hidden_layers
     deployment = Deployment(num_prefill=prefill, num_decode=decode, kv_cache_mb=kv_cache_mb,
                             decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s,
                             retained_kv_budget_mb=retained_kv_budget_mb,
@@ -645,7 +650,7 @@ def plan(
                             prefill_kv_cache_mb=prefill_kv_cache_mb, prefill_choice=prefill_choice,
                             link_bits_per_s=plan_link.rate_bits_per_s if plan_link else None,
                             link_delay_s=plan_link.delay_s if plan_link else 0.0,
-                            link_read_fixed_ms=link_read_fixed_ms if plan_link else 0.0)
+                            link_read_fixed_ms=link_read_fixed_ms if plan_link else 0.0, read_overlap_layers=layers)
     if scenario:
         deployment = planner.with_scenario(deployment, SCENARIOS[scenario])
     # the router remembers a conversation a little less long than D keeps its KV, as at every TTL of the sweep

@@ -15,7 +15,7 @@ from kvturn.cli import app
 from kvturn.launch import LocalStack
 from kvturn.plan import calibration, planner, report, trace
 from kvturn.plan.predict import simulate
-from kvturn.plan.retention import Leases
+from kvturn.plan.retention import Leases, PrefixCache
 from kvturn.plan.sim import Deployment, Simulation
 from kvturn.plan.step_samples import Step, parse_step
 from kvturn.plan.steps import Job
@@ -312,11 +312,12 @@ def test_the_plan_says_the_range_its_figures_move_in_over_the_calibrations_halve
     assert "(" in row[1] and "-" in row[1]  # printed as value (low-high)
 
 
-def prefill_with(cost_model, jobs: dict[str, tuple[int, int, float]]):
-    """(the calibration with every step at its fit's time, the simulation, its P of bidir/P-cache-off, `jobs` made
-    from (new tokens, context, ms of a peer's KV to read) by name, the time of each one's first token by name)."""
+def prefill_with(cost_model, jobs: dict[str, tuple[int, int, float]], leg: str = "bidir/P-cache-off",
+                 deployment: Deployment = Deployment()):
+    """(the calibration with every step at its fit's time, the simulation, its P of `leg`, `jobs` made from (new
+    tokens, context, ms of a peer's KV to read) by name, the time of each one's first token by name)."""
     model = cost_model.model_copy(update={"step_scatter": {}})
-    sim = Simulation(Workload("none", [], None), LEGS["bidir/P-cache-off"], Deployment(), model)
+    sim = Simulation(Workload("none", [], None), LEGS[leg], deployment, model)
     first_token = {}
     made = {name: Job(new, context, 1, on_first_token=lambda job, now, name=name: first_token.setdefault(name, now),
                       read_ms=read_ms) for name, (new, context, read_ms) in jobs.items()}
@@ -717,3 +718,50 @@ def test_the_plan_reports_retained_kv_per_tier_over_time_and_the_ttl_and_host_ti
     assert result.exit_code == 2 and "--reuse-target" in said(result)
 
 
+
+
+@pytest.mark.parametrize("leg, layers, expected", [
+    ("bidir/P-cache-off", 4, lambda read, compute: max(read, compute) + min(read, compute) / 4),
+    ("bidir/P-cache-off", 0, lambda read, compute: read + compute),
+    ("bidir/P-cache-off/whole-read", 4, lambda read, compute: read + compute)])
+def test_a_read_layer_by_layer_costs_the_longer_of_read_and_compute_and_a_layers_share_of_the_other(
+        cost_model, leg, layers, expected):
+    # kvturn's P posts its read of D's history one layer at a time and computes layer l of the new tokens once
+    # layer l has arrived; --no-kv-read-overlap (the whole-read leg) reads it all before the forward pass.
+    model, sim, prefill, jobs, first_token = prefill_with(cost_model, {"pulled": (200, 2000, 80.0)}, leg,
+                                                          Deployment(read_overlap_layers=layers))
+    sim.at(0.0, prefill.submit_prefill, jobs["pulled"])
+    sim.run()
+    compute = model.step_prefill_ms([(200, 2000)])
+    assert first_token["pulled"] * 1e3 == pytest.approx(expected(80.0, compute))
+
+
+def test_ps_prefix_cache_evicts_into_its_host_tier_and_a_hit_there_moves_back_into_the_pool():
+    cache = PrefixCache(1000, host_tokens=1500)
+    cache.store("a", 600)
+    cache.store("b", 600)  # over the pool: a, the least recent, goes to the host tier
+    assert cache.tokens == {"b": 600} and cache.host.tokens == {"a": 600}
+    assert cache.hit("a") == 600  # restored into the pool, b evicted to the host tier in its place
+    assert cache.tokens == {"a": 600} and cache.host.tokens == {"b": 600}
+    cache.store("b", 900)  # a newer prompt of b supersedes the one in the host tier
+    assert cache.host.tokens == {"a": 600} and cache.tokens == {"b": 900}
+    for name in "cde":
+        cache.store(name, 700)
+    assert cache.host.total <= 1500 and "a" not in cache.host.tokens  # the tier's own least recent went
+    assert PrefixCache(1000).hit("a") == 0 and PrefixCache(1000).host is None
+
+
+def test_a_prefill_host_tier_serves_later_turns_ps_pool_evicted_as_the_leg_asks(cost_model):
+    # pd/P-cache-host gives P's prefix cache a host tier (--prefix-host-mb 64): with pools that hold one history,
+    # later turns find theirs there instead of computing it again.
+    workload = agent_sessions(4, 3, think_s=2.0)
+    small = Deployment(prefill_kv_cache_mb=16)
+    runs = {}
+    for leg in ("pd/P-cache-on", "pd/P-cache-host"):
+        sim = Simulation(workload, LEGS[leg], small, cost_model)
+        sim.run()
+        runs[leg] = sim
+    cached = {leg: sum(r.cached_tokens for r in sim.results if r.number) for leg, sim in runs.items()}
+    assert cached["pd/P-cache-on"] < cached["pd/P-cache-host"]
+    assert runs["pd/P-cache-host"].prefill_cache[0].host.capacity_tokens == 64 * 2**20 // 4096
+    assert runs["pd/P-cache-on"].prefill_cache[0].host is None

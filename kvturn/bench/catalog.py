@@ -20,6 +20,14 @@ class Leg:
     decode_args: tuple[str, ...] = ()  # the decode workers' own settings (the retention legs)
     prefill_args: tuple[str, ...] = ()  # the prefill workers' own settings (P's prefix cache with a host tier)
 
+    def prefill_setting(self, flag: str) -> str | None:
+        """What the leg's prefill workers are given for `flag` (a flag alone: itself); None where not given."""
+        args = self.prefill_args
+        if flag not in args:
+            return None
+        at = args.index(flag) + 1
+        return args[at] if at < len(args) and not args[at].startswith("--") else flag
+
 
 LEGS = {
     "colocated": Leg("colocated", "colocated", False, True),

@@ -94,22 +94,37 @@ class Leases:
 
 class PrefixCache:
     """Tokens of each conversation's latest prompt (and answer, where the worker decoded it) still cached on a
-    worker, within its pool; the least recently used conversation is evicted first."""
+    worker, within its pool; the least recently used conversation is evicted first, into the worker's host tier
+    when it has one (`host_tokens`, P's --prefix-host-mb: its own least recent go to make room), from where a hit
+    moves it back into the pool."""
 
-    def __init__(self, capacity_tokens: int):
+    def __init__(self, capacity_tokens: int, host_tokens: int = 0):
         self.capacity_tokens = capacity_tokens
         self.tokens: OrderedDict[str, int] = OrderedDict()
         self.total = 0
+        self.host = PrefixCache(host_tokens) if host_tokens > 0 else None
 
     def hit(self, conversation: str) -> int:
         cached = self.tokens.get(conversation, 0)
         if cached:
             self.tokens.move_to_end(conversation)
+        elif self.host is not None and (cached := self.host.take(conversation)):
+            self.store(conversation, cached)  # restored into the pool, as the engine copies a host hit back
         return cached
 
+    def take(self, conversation: str) -> int:
+        """The tokens held for `conversation`, no longer held here."""
+        tokens = self.tokens.pop(conversation, 0)
+        self.total -= tokens
+        return tokens
+
     def store(self, conversation: str, tokens: int) -> None:
+        if self.host is not None:
+            self.host.take(conversation)  # the newer prompt supersedes an older one in the host tier
         self.total += tokens - self.tokens.pop(conversation, 0)
         self.tokens[conversation] = tokens
         while self.total > self.capacity_tokens and len(self.tokens) > 1:
-            _, evicted = self.tokens.popitem(last=False)
+            evicted_conversation, evicted = self.tokens.popitem(last=False)
             self.total -= evicted
+            if self.host is not None and evicted <= self.host.capacity_tokens:
+                self.host.store(evicted_conversation, evicted)

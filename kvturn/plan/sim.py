@@ -45,6 +45,9 @@ class Deployment:
     link_bits_per_s: float | None = None  # between hosts (plan/link.py); None: the calibration's own reads
     link_delay_s: float = 0.0
     link_read_fixed_ms: float = 0.0  # what one read over the link costs besides its bytes
+    # P reads D's history layer by layer beside its compute over this many layers (the model's; 0: read, then
+    # compute); a leg's --no-kv-read-overlap reads whole
+    read_overlap_layers: int = 0
 
 
 @dataclass(slots=True)
@@ -113,7 +116,8 @@ class Simulation:
             worker.token_gaps_ms = view.token_gaps_ms  # the router's decode step time
         self.pool_tokens = self._tokens_in(d.kv_cache_mb)
         prefill_pool = self._tokens_in(d.prefill_kv_cache_mb) if d.prefill_kv_cache_mb else self.pool_tokens
-        self.prefill_cache = [PrefixCache(prefill_pool) for _ in self.prefill] \
+        prefill_host = self._tokens_in(int(leg.prefill_setting("--prefix-host-mb") or 0))
+        self.prefill_cache = [PrefixCache(prefill_pool, prefill_host) for _ in self.prefill] \
             if leg.prefix_caching_on_prefill else []
         self.decode_cache = [PrefixCache(self.pool_tokens) for _ in self.decode]
         budget = None if d.retained_kv_budget_mb is None else self._tokens_in(d.retained_kv_budget_mb)
@@ -122,6 +126,7 @@ class Simulation:
         self.lease_ends: deque[tuple[Lease, int]] = deque()  # one TTL for all: they end in the order they began
         self.table: dict[str, Entry] = {}
         self.costs = router_cost_model(calibration, deployment)
+        self.costs.observe_read_overlap(0 if leg.prefill_setting("--no-kv-read-overlap") else d.read_overlap_layers)
         self.prefix_memory = PrefixMemory(max(len(workload.sessions), 1))  # the router's guess of P's caches
         self.policy = leg.path_policy if leg.bidirectional else costmodel.RECOMPUTE
         self.turns_in_flight = 0  # arrived, not yet answered in full

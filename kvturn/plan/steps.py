@@ -125,7 +125,9 @@ class StepLoop:
             beside = calibration.decode_steps_ms(self.kind, 1, batch, longest) - calibration.step_fit(self.kind)[0]
             ms += beside + self.sim.contention_ms(self) if beside else 0.0
         self.steps_in_flight = 1 if batch else 0
-        self.sim.at(now + (reads_ms + ms) / 1e3, self._end_prefill_step, chunks, batch, ms)
+        # the step's forward pass waits for its reads, or, read layer by layer, for each layer's as it reaches it
+        took_ms = self.sim.costs.pull_ms(reads_ms, ms) if reads_ms else ms
+        self.sim.at(now + took_ms / 1e3, self._end_prefill_step, chunks, batch, ms)
 
     def _admit(self, batch: int) -> tuple[float, list[tuple[Job, int]]]:
         """(ms of the reads the step waits for, the (prompt, new tokens) chunks it computes), as the scheduler
