@@ -18,6 +18,9 @@ import httpx
 from kvturn.config import LOG_FILE_ENV, SupervisorConfig
 
 PR_SET_PDEATHSIG = 1
+# Ports drawn from the OS's entropy, not the module's generator: processes forked from one parent (or a generator
+# seeded alike) would draw the same ports and start their stacks on each other's.
+_PORTS = random.SystemRandom()
 LOG_DIRS_KEPT_DAYS = 7
 
 
@@ -26,7 +29,7 @@ def free_port() -> int:
     to an outgoing connection before our server binds it (seen as start-up failures under load)."""
     low, high = 20000, _ephemeral_start()
     for _ in range(200):
-        port = random.randrange(low, high)
+        port = _PORTS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

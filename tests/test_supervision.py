@@ -61,6 +61,15 @@ def unread_bytes(port: int) -> int:
     return total
 
 
+def test_processes_forked_alike_or_seeded_alike_draw_their_own_ports():
+    # Two stacks started from forks of one process (the same state of `random`) must not pick the same ports.
+    import random
+    state = random.getstate()
+    first = [free_port() for _ in range(4)]
+    random.setstate(state)
+    assert [free_port() for _ in range(4)] != first
+
+
 def test_backoff_doubles_while_a_process_keeps_exiting_and_starts_over_once_it_ran_long_enough():
     config = SupervisorConfig(restart_backoff_s=0.5, restart_backoff_max_s=3.0, restart_settled_s=60.0)
     waits, previous = [], None
