@@ -63,8 +63,10 @@ def test_closing_the_network_removes_every_namespace_and_link(network):
 
 
 def hold_a_network() -> subprocess.Popen:
-    """A process that makes a network, prints its namespaces and waits (the bench between two legs)."""
-    code = ("import json, time\nfrom kvturn.bench.netns import Network\n"
+    """A process that makes a network, prints its namespaces and waits (the bench between two legs). Ctrl-C
+    interrupts it even where the suite itself runs as a background job, which starts its children ignoring SIGINT."""
+    code = ("import json, signal, time\nfrom kvturn.bench.netns import Network\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "with Network(['router', 'prefill']) as n:\n"
             "    print(json.dumps([n.bridge, *n.namespaces.values()]), flush=True)\n    time.sleep(120)\n")
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

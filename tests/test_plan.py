@@ -464,6 +464,18 @@ def test_the_simulation_is_deterministic_and_serves_every_turn(cost_model):
     assert first == second and first.turns == 200 and sum(first.paths.values()) == 200
 
 
+def test_a_small_workloads_figures_are_the_median_of_its_simulations_each_kept_as_a_replica(cost_model):
+    # What one bench run's p50 would be with each draw of the steps' scatter: the spread a plan sets beside a
+    # measured gain (benchmarks/grid_plan.py), the median its figure.
+    predicted = simulate(agent_sessions(6, 3), LEGS["bidir/P-cache-off"], Deployment(), cost_model)
+    for figure in ("ttft_p50_ms", "session_p50_s"):
+        draws = predicted.replicas[figure]
+        assert len(draws) > 1 and len(draws) % 2 == 1
+        assert getattr(predicted, figure) == pytest.approx(float(np.median(draws)))
+    assert len(set(predicted.replicas["session_p50_s"])) > 1  # the scatter moves a run's p50
+    assert "replicas" in predicted.public()
+
+
 def test_plan_json_has_every_leg_under_the_bench_names(cost_model, tmp_path):
     workload = agent_sessions(6, 3)
     plan = planner.plan(workload, cost_model, Deployment(), list(LEGS), "pull", False, [60.0], (0.5, 1.0), 0.95)

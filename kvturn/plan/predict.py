@@ -21,6 +21,7 @@ PARALLEL_FROM_TURNS = 20_000  # below this a simulation takes less than starting
 # prompts up to a step each, or a few turns of 16M-token prompts. A plan simulates some 30 legs (its own, the sweep's,
 # each again with the calibration's halves), all of them within a few minutes on one core.
 MAX_SIMULATED_STEPS = 200_000
+REPLICATED = ("ttft_p50_ms", "session_p50_s")
 FIGURES = ("ttft_p50_ms", "ttft_p90_ms", "later_ttft_p50_ms", "session_p50_s", "peak_retained_mib", "peak_pool_mib",
            "peak_host_mib", "peak_retained_mib_per_decode", "reuse_share")
 
@@ -41,10 +42,13 @@ class LegPrediction:
     events: int
     paths: dict = field(default_factory=dict)
     retained_over_time: list = field(default_factory=list)  # [s, pool MiB, host MiB], all decode workers'
+    # each simulation's TTFT p50 and session p50 (by seed), where the figures are their median: how far one run's
+    # p50 moves with the scatter of its steps, as a bench run's does from one repeat to the next
+    replicas: dict = field(default_factory=dict)
 
     def public(self) -> dict:
         """The leg as plan.json shows it."""
-        return {name: getattr(self, name) for name in (*FIGURES, "paths", "retained_over_time")}
+        return {name: getattr(self, name) for name in (*FIGURES, "paths", "retained_over_time", "replicas")}
 
 
 def _percentile(values: list[float], p: float) -> float:
@@ -100,7 +104,8 @@ def median_of(runs: list[LegPrediction]) -> LegPrediction:
     """Each figure of `runs` (simulations of one leg) as their median, and the events of all of them."""
     paths = {path: int(np.median([run.paths.get(path, 0) for run in runs])) for run in runs for path in run.paths}
     return LegPrediction(runs[0].leg, *(float(np.median([getattr(run, name) for run in runs])) for name in FIGURES),
-                         runs[0].turns, sum(run.events for run in runs), paths, runs[0].retained_over_time)
+                         runs[0].turns, sum(run.events for run in runs), paths, runs[0].retained_over_time,
+                         {name: [getattr(run, name) for run in runs] for name in REPLICATED})
 
 
 def simulate(workload: Workload, leg: Leg, deployment: Deployment, calibration: Calibration) -> LegPrediction:
