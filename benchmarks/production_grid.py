@@ -10,7 +10,6 @@ Each cell is one `kvturn bench --compare --scenario production` run (its folder 
 load (uptime) before and after each cell is recorded beside its numbers. --hosts netns needs root.
 """
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -105,11 +104,10 @@ def verdict(values: list[float]) -> str:
 
 
 def summarize_cell(cell: dict) -> dict:
-    path = Path(cell["folder"]) / "results.json"
-    packed = path.with_suffix(".json.gz")  # publish.sh packs large ones
-    if not path.exists() and not packed.exists():
+    try:
+        results = grid_plan.read_results(Path(cell["folder"]))
+    except FileNotFoundError:
         return {**cell, "error": "no results.json"}
-    results = json.loads(path.read_text() if path.exists() else gzip.decompress(packed.read_bytes()))
     found = gains(results)
     layout = results.get("layout") or {}
     measured = layout.get("measured_link") or {}
@@ -124,6 +122,7 @@ def summarize_cell(cell: dict) -> dict:
             "link_fixed_ms": measured.get("measured_fixed_ms"), "delay_applied": measured.get("delay_applied"),
             "placement": {leg: s.get("placement") for leg, s in first.items()},
             "bytes_d_to_p": sum(s.get("bytes_d_to_p", 0) for s in first.values()),
+            "bidir_read_back": bool((first.get("bidir/P-cache-on") or {}).get("bytes_d_to_p")),
             "answers_equal": results.get("answers_equal"),
             "best_alternative": min((name for name, s in first.items() if not LEGS.get(name, LEGS["pd/P-cache-on"])
                                      .bidirectional and p50(s, "session_time_s")),
@@ -164,6 +163,9 @@ def render(grid: dict) -> str:
             f"~{float(cell['pressure']):.0%} of live ({cell['prefill_kv_cache_mb']} MiB each)"
         words = {"pays": "bidir pays", "does not pay": "**bidir does not pay**"}.get(cell["bidir_verdict"],
                                                                                    f"bidir {cell['bidir_verdict']}")
+        if cell.get("bidir_read_back") is False:  # P's cache held every history: any difference is not the read's
+            words = ("**bidir does not pay**" if cell["bidir_verdict"] == "does not pay" else "bidir no different") \
+                + ": nothing read back (P's cache held every history)"
         bidir, adaptive = g.get("bidir/P-cache-on", {}), g.get("adaptive/P-cache-on", {})
         lines.append(f"| {link} | {pools} | {cell.get('best_alternative') or '-'} | {fmt(bidir.get('session'))} | "
                      f"{fmt(bidir.get('ttft'))} | {fmt(adaptive.get('session'))} | {fmt(adaptive.get('ttft'))} | "
@@ -199,6 +201,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="a pulled model's name (e.g. smollm2); default: the embedded one")
     parser.add_argument("--out", type=Path, default=Path("results/production-grid"))
+    parser.add_argument("--plan-links", default="", help="links to plan only (faster than this machine carries "
+                        "between namespaces, e.g. 25gbit,100gbit): the planner's answer beside the measured cells")
     parser.add_argument("--report-only", action="store_true", help="re-render the table from OUT/grid.json")
     parser.add_argument("--keep-cells", action="store_true", help="keep OUT/grid.json's cells this run does not "
                         "run again (a grid grown a few cells at a time, with the same settings)")
@@ -210,7 +214,7 @@ def main() -> None:
     if args.report_only:
         grid = json.loads(grid_path.read_text())
         for key, value in grid["settings"].items():  # the plan check replans with the settings the grid ran
-            if key not in ("calibrate_on",):
+            if key not in ("calibrate_on", "plan_links"):
                 setattr(args, key, value)
         grid["cells"] = [summarize_cell(cell) for cell in grid["cells"]]
     else:

@@ -38,7 +38,9 @@ run read-overlap-10gbit $PY -m kvturn.cli bench --compare --scenario sweep --max
     --legs pd/P-cache-off,bidir/P-cache-off,bidir/P-cache-off/whole-read --hosts netns --link 10gbit:50us \
     --out "$OUT/read-overlap-10gbit"
 # The answer grid: production scenario on 2P2D, P's cache on, across links and P-pool pressure (netns cells: root)
-run production-grid $PY benchmarks/production_grid.py --links shm,10gbit --pressures none,0.33 --repeats 1 \
+# (the veth carries ~4.3 Gb/s here, so 10gbit is the unshaped veth and 25/100 Gb/s cells would measure the same)
+run production-grid $PY benchmarks/production_grid.py --links shm,10gbit,1gbit --pressures none,0.33 --repeats 3 \
+    --plan-links 25gbit,100gbit \
     --sessions 12 --max-prompt-tokens 2048 --out "$OUT/production-grid"
 # One cell of it on the real model (P-pool pressure, so that histories are read back): answers equal a run without reuse
 run production-grid-smollm2 bash -c "$PY -m kvturn.cli models pull smollm2 && $PY benchmarks/production_grid.py \
