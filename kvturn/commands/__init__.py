@@ -1,0 +1,1 @@
+"""The `kvturn` commands, one module per group; kvturn/cli.py puts them together."""
