@@ -12,6 +12,9 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # a client sending on the connection at that moment, and the request fails with a disconnect (uvicorn's default
 # is 5 s).
 SERVER_KEEP_ALIVE_S = 75
+# A stack's random name, given to each of its processes by its launcher (kvturn/launch.py): /health answers it (the
+# X-Kvturn-Instance header), so that the launcher knows its own process from another stack's on the same port.
+INSTANCE_ENV, INSTANCE_HEADER = "KVTURN_INSTANCE", "X-Kvturn-Instance"
 LOG_FILE_ENV = "KVTURN_LOG_FILE"  # the file a process's output goes to, set by its launcher (kvturn/launch.py)
 
 

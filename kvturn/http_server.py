@@ -2,12 +2,13 @@
 parser refuses before any app sees it (a control character in the request line, a malformed header line) is plain
 text. kvturn's is an OpenAI-shaped JSON error there too, like every other answer."""
 import gc
+import os
 
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvturn.config import SERVER_KEEP_ALIVE_S
+from kvturn.config import INSTANCE_ENV, INSTANCE_HEADER, SERVER_KEEP_ALIVE_S
 from kvturn.errors import error_body
 
 
@@ -22,6 +23,12 @@ class JsonErrorsProtocol(HttpToolsProtocol):
                  b"connection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+def instance_headers() -> dict[str, str]:
+    """/health's header naming the stack this process belongs to, where its launcher named one (config.INSTANCE_ENV)."""
+    name = os.environ.get(INSTANCE_ENV)
+    return {INSTANCE_HEADER: name} if name else {}
 
 
 def run_server(app, host: str, port: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from kvturn.config import LOG_FILE_ENV, SupervisorConfig
+from kvturn.config import INSTANCE_ENV, INSTANCE_HEADER, LOG_FILE_ENV, SupervisorConfig
 
 PR_SET_PDEATHSIG = 1
 # Ports drawn from the OS's entropy, not the module's generator: processes forked from one parent (or a generator
@@ -128,13 +128,16 @@ def split_cores() -> dict[str, set[int]] | None:
     return {"prefill": set(cores[:half]), "decode": set(cores[half:])}
 
 
-def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 120.0) -> None:
+def wait_healthy(url: str, process: subprocess.Popen | None = None, timeout_s: float = 120.0,
+                 instance: str | None = None) -> None:
+    """Until `url` answers /health (with `instance`'s name, where given: not another stack's process on the port)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"{url}: process exited with code {process.returncode} before it became healthy")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            reply = httpx.get(f"{url}/health", timeout=2)
+            if reply.status_code == 200 and (instance is None or reply.headers.get(INSTANCE_HEADER) == instance):
                 return
         except httpx.HTTPError:
             pass
@@ -186,7 +189,9 @@ class LocalStack:
             self.router_args.append("--expose-internals")
         self.log_dir = Path(log_dir) if log_dir else default_log_dir("stack")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), **(env or {})}
+        self.env = {"KVTURN_CLUSTER_SECRET": secrets.token_urlsafe(32), INSTANCE_ENV: secrets.token_hex(8),
+                    **(env or {})}
+        self.instance = self.env[INSTANCE_ENV]
         self.cluster_secret = self.env["KVTURN_CLUSTER_SECRET"]
         self.base_port = base_port
         self.cores = split_cores() if pin_workers else None  # role -> cores; a colocated worker and the router: all
@@ -250,7 +255,7 @@ class LocalStack:
 
     def wait_and_start_router(self) -> None:
         for name, url in list(self.urls.items()):
-            wait_healthy(url, self.processes[name])
+            wait_healthy(url, self.processes[name], instance=self.instance)
         if self.mode == "colocated":
             return
         workers = [arg for role, count in (("prefill", self.num_prefill), ("decode", self.num_decode))
@@ -264,7 +269,7 @@ class LocalStack:
             self.launch(name, ["router", "--port", str(port), *where, *workers, *self.router_args])
             self.urls[name] = f"http://{host}:{port}"
         for name in names:
-            wait_healthy(self.urls[name], self.processes[name])
+            wait_healthy(self.urls[name], self.processes[name], instance=self.instance)
 
     @property
     def url(self) -> str:
@@ -280,7 +285,7 @@ class LocalStack:
             if self.processes[name].poll() is None:
                 stop(self.processes[name])
             self.launch(name, self.args[name], self.cpus.get(name))
-        wait_healthy(self.urls[name], self.processes[name])
+        wait_healthy(self.urls[name], self.processes[name], instance=self.instance)
 
     def respawn(self, name: str, exited: subprocess.Popen) -> subprocess.Popen:
         """Start `name` again in place of `exited`, unless someone did already; its process now."""

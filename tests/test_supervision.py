@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from chat import SYSTEM, metric, send, user_message
-from kvturn.config import SupervisorConfig
-from kvturn.launch import free_port, stop
+from kvturn.config import INSTANCE_HEADER, SupervisorConfig
+from kvturn.launch import free_port, stop, wait_healthy
 from kvturn.supervisor import Supervisor, next_backoff_s
 
 DEADLINE_S = 180  # generous: the machine may be loaded; nothing here asserts a duration
@@ -68,6 +68,36 @@ def test_processes_forked_alike_or_seeded_alike_draw_their_own_ports():
     first = [free_port() for _ in range(4)]
     random.setstate(state)
     assert [free_port() for _ in range(4)] != first
+
+
+def test_a_stack_waits_for_its_own_process_not_another_stacks_on_the_same_port():
+    # Another stack's worker already answers on the port ours failed to bind: its /health says 200 but names another
+    # instance, so the wait goes on until our process exits, and says so, instead of taking the stranger for ours.
+    import http.server
+    import socketserver
+
+    class Stranger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header(INSTANCE_HEADER, "another-stack")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port()
+    with socketserver.TCPServer(("127.0.0.1", port), Stranger) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); raise SystemExit(3)"])
+        try:
+            with pytest.raises(RuntimeError, match="exited with code 3"):
+                wait_healthy(url, ours, timeout_s=30, instance="our-stack")
+            wait_healthy(url, timeout_s=5, instance="another-stack")  # its own launcher would take it
+            wait_healthy(url, timeout_s=5)  # and a wait that names no instance takes whoever answers
+        finally:
+            stop(ours)
+            server.shutdown()
 
 
 def test_backoff_doubles_while_a_process_keeps_exiting_and_starts_over_once_it_ran_long_enough():
@@ -169,9 +199,14 @@ def test_serve_writes_each_process_log_in_the_folder_it_prints(serve):
         assert "started `kvturn" in (serve.log_dir / f"{name}.log").read_text()
     own_line = r"^[\d-]+ [\d:,]+ kvturn\.[\w.]+ (INFO|WARNING) "  # the process's own output, as its logging writes it
     assert re.search(own_line, (serve.log_dir / "prefill.log").read_text(), re.MULTILINE)
+    instances = set()
     for pid in children(serve.process.pid):
         environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if item)
         assert Path(environ["KVTURN_LOG_FILE"]).parent == serve.log_dir  # so its internal errors can name it
+        instances.add(environ["KVTURN_INSTANCE"])
+    assert len(instances) == 1  # one name for the stack, which each /health answers
+    for url in (serve.url, f"http://127.0.0.1:{serve.prefill_port}"):
+        assert httpx.get(f"{url}/health").headers[INSTANCE_HEADER] in instances
 
 
 def test_a_turn_in_flight_when_prefill_is_killed_completes_once_serve_restarted_it(serve):

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvturn import tracing
 from kvturn.config import RouterConfig, is_redis_url
+from kvturn.http_server import instance_headers
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.registry import WorkerRegistry
@@ -254,7 +255,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     install_error_handlers(app, log)
 
     @app.get("/health")
-    async def health(request: Request):
+    async def health(request: Request, response: Response):
+        response.headers.update(instance_headers())
         if not router.prefill.healthy() or not router.decode.healthy():
             return error_response(503, "no healthy prefill or decode worker")
         state = router.table.health()

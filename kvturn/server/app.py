@@ -17,6 +17,7 @@ from kvturn import tracing
 from kvturn.config import WorkerConfig
 from kvturn.engine import step_history
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
+from kvturn.http_server import instance_headers
 from kvturn.kv_transfer import side_channel
 from kvturn.kv_transfer.connector import ConnectorStats
 from kvturn.registry import run_registration
@@ -70,7 +71,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
     secret = config.connector.cluster_secret
 
     @app.get("/health")
-    async def health():
+    async def health(response: Response):
+        response.headers.update(instance_headers())
         if not worker.async_engine.alive:
             return error_response(503, "engine is not running")
         reply = {"status": "ok", "role": config.role, "engine_id": worker.engine_id, "backend": "kvturn"}
