@@ -35,13 +35,14 @@ def repeat_files(folder: Path, into: Path) -> list[Path]:
 
 def predicted_gains(args, cell: dict, calibrations: list[Path], out: Path) -> dict:
     """`kvturn plan` of one cell from `calibrations` (pooled): {"session"|"ttft": {"vs_best"|"vs_pd": {leg: gain}}},
-    or {"error": ...}."""
+    or {"error": ...}. It runs in the calibrations' folder (one scratch folder: repeat_files), so that the plan and
+    the command it records name them as repeatN.json, not by a path of this machine."""
     command = [sys.executable, "-m", "kvturn.cli", "plan", "--scenario", "production", "--topology", args.topology,
                "--prefill-choice", args.prefill_choice, "--sessions", str(args.sessions), "--max-prompt-tokens",
                str(args.max_prompt_tokens), "--gap-scale", str(args.gap_scale), "--seed", str(args.seed),
                "--one-host", "--legs", ",".join(PLANNED_LEGS), "--ttls", "480", "--host-budgets", "", "--out", str(out)]
     for path in calibrations:
-        command += ["--calibration", str(path)]
+        command += ["--calibration", path.name]
     if getattr(args, "model", None):
         command += ["--model", args.model]
     if cell.get("link_measured_gbit_per_s"):
@@ -49,7 +50,8 @@ def predicted_gains(args, cell: dict, calibrations: list[Path], out: Path) -> di
                     "--link-read-fixed-ms", f"{cell.get('link_fixed_ms') or 0.0:.3f}"]
     if cell.get("prefill_kv_cache_mb") and cell["pressure"] != "none":
         command += ["--prefill-kv-cache-mb", str(cell["prefill_kv_cache_mb"])]
-    done = subprocess.run(command, capture_output=True, text=True)
+    run = [str(out.resolve()) if part == str(out) else part for part in command]
+    done = subprocess.run(run, capture_output=True, text=True, cwd=calibrations[0].parent)
     if done.returncode != 0 or not (out / "plan.json").exists():
         said = " ".join(line.strip("│╭╮╰╯─ ") for line in (done.stderr or done.stdout).splitlines()[-6:])
         return {"error": said.strip() or "kvturn plan failed"}
@@ -76,51 +78,56 @@ def replica_spread(base: dict, leg: dict, measure: str) -> list[float]:
     return [ratios[int(0.1 * (len(ratios) - 1))], ratios[int(round(0.9 * (len(ratios) - 1)))]]
 
 
-def plan_cell(args, cell: dict, calibrations: list[Path], out: Path, scratch: Path) -> dict:
-    """The cell's gains as planned from the calibration's repeats pooled (the point, its plan.json in `out`) and
-    from each alone (the range), beside the measured ones (median and range over the cell's repeats)."""
+def planned(args, cell: dict, calibrations: list[Path], out: Path, scratch: Path) -> dict:
+    """The cell's predicted gains, `"LEG KEY AGAINST"` -> [point, low, high]: the point planned from the
+    calibration's repeats pooled (its plan.json in `out`), the range over the plans from each repeat alone and the
+    pooled plan's own scatter; or {"error": ...}."""
     pooled = predicted_gains(args, cell, calibrations, out)
     if "error" in pooled:
         return pooled
     alone = [predicted_gains(args, cell, [path], scratch / out.name / path.stem) for path in calibrations] \
         if len(calibrations) > 1 else []
     alone = [plan for plan in alone if "error" not in plan]
-    comparison = {}
-    for leg in BIDIR_LEGS:
-        for key in ("session", "ttft"):
-            for against, measured_key in (("vs_best", key), ("vs_pd", f"{key}_vs_pd")):
-                measured = cell["gains"].get(leg, {}).get(measured_key) or {}
-                guess = pooled["gains"][key][against].get(leg)
-                if not measured.get("median") or not guess:
-                    continue
-                others = [plan["gains"][key][against][leg] for plan in alone if leg in plan["gains"][key][against]]
-                others += pooled["scatter"][key][against].get(leg, [])
-                low, high = min([guess, *others]), max([guess, *others])
-                comparison[f"{leg} {key} {against}"] = {
-                    "predicted": guess, "predicted_range": [low, high], "measured": measured["median"],
-                    "measured_range": [measured["min"], measured["max"]], "error": guess / measured["median"] - 1,
-                    "range_holds_measured": low <= measured["median"] <= high,
-                    "ranges_meet": low <= measured["max"] and measured["min"] <= high}
-    return {"command": pooled["command"], "calibration_repeats": len(calibrations), "gains": comparison}
-
-
-def plan_unmeasured(args, cell: dict, calibrations: list[Path], out: Path, scratch: Path) -> dict:
-    """A link this machine cannot carry, planned only: each gain pooled (and its range over the repeats alone)."""
-    pooled = predicted_gains(args, cell, calibrations, out)
-    if "error" in pooled:
-        return pooled
-    alone = [predicted_gains(args, cell, [path], scratch / out.name / path.stem) for path in calibrations] \
-        if len(calibrations) > 1 else []
     gains = {}
     for leg in BIDIR_LEGS:
         for key in ("session", "ttft"):
-            guess = pooled["gains"][key]["vs_best"].get(leg)
-            if guess:
-                others = [p["gains"][key]["vs_best"][leg] for p in alone if leg in p.get("gains", {}).get(key, {})
-                          .get("vs_best", {})] + pooled["scatter"][key]["vs_best"].get(leg, [])
-                gains[f"{leg} {key}"] = {"predicted": guess, "predicted_range": [min([guess, *others]),
-                                                                                 max([guess, *others])]}
-    return {"link": cell["link"], "pressure": cell["pressure"], "command": pooled["command"], "gains": gains}
+            for against in ("vs_best", "vs_pd"):
+                guess = pooled["gains"][key][against].get(leg)
+                if not guess:
+                    continue
+                others = [plan["gains"][key][against][leg] for plan in alone if leg in plan["gains"][key][against]]
+                others += pooled["scatter"][key][against].get(leg, [])
+                gains[f"{leg} {key} {against}"] = [guess, min([guess, *others]), max([guess, *others])]
+    return {"command": pooled["command"], "gains": gains}
+
+
+def plan_cell(args, cell: dict, calibrations: list[Path], out: Path, scratch: Path) -> dict:
+    """The cell's predicted gains (planned) beside the measured ones (median and range over the cell's repeats)."""
+    plan = planned(args, cell, calibrations, out, scratch)
+    if "error" in plan:
+        return plan
+    comparison = {}
+    for name, (guess, low, high) in plan["gains"].items():
+        leg, key, against = name.split(" ")
+        measured = cell["gains"].get(leg, {}).get(key if against == "vs_best" else f"{key}_vs_pd") or {}
+        if not measured.get("median"):
+            continue
+        comparison[name] = {
+            "predicted": guess, "predicted_range": [low, high], "measured": measured["median"],
+            "measured_range": [measured["min"], measured["max"]], "error": guess / measured["median"] - 1,
+            "range_holds_measured": low <= measured["median"] <= high,
+            "ranges_meet": low <= measured["max"] and measured["min"] <= high}
+    return {"command": plan["command"], "calibration_repeats": len(calibrations), "gains": comparison}
+
+
+def plan_unmeasured(args, cell: dict, calibrations: list[Path], out: Path, scratch: Path) -> dict:
+    """A link this machine cannot carry, planned only: each gain over the best alternative, with its range."""
+    plan = planned(args, cell, calibrations, out, scratch)
+    if "error" in plan:
+        return plan
+    gains = {name.removesuffix(" vs_best"): {"predicted": guess, "predicted_range": [low, high]}
+             for name, (guess, low, high) in plan["gains"].items() if name.endswith(" vs_best")}
+    return {"link": cell["link"], "pressure": cell["pressure"], "command": plan["command"], "gains": gains}
 
 
 def unmeasured_cells(links: list[str], cells: dict) -> list[dict]:

@@ -24,12 +24,8 @@ from kvturn.bench.machine import machine, write_json  # noqa: E402
 
 import grid_plan  # noqa: E402
 
-BIDIR_LEGS = grid_plan.BIDIR_LEGS
+BIDIR_LEGS, cell_name = grid_plan.BIDIR_LEGS, grid_plan.cell_name
 NOISE = 0.15  # one repeat has no spread: a gain within 15% of 1 (this shared machine's run-to-run drift) names no winner
-
-
-def cell_name(link: str, pressure: str) -> str:
-    return f"{link}-pressure-{pressure}"
 
 
 def run_cell(args, link: str, pressure: str, out: Path) -> dict:

@@ -17,8 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvturn import tracing
 from kvturn.config import RouterConfig, is_redis_url
-from kvturn.http_server import instance_headers
 from kvturn.errors import BadRequest, error_response, install_error_handlers, parse_json_object, read_body
+from kvturn.http_server import instance_headers
 from kvturn.kv_transfer.params import SECRET_HEADER
 from kvturn.registry import WorkerRegistry
 from kvturn.router import keys, sessions
